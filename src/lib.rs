@@ -1,11 +1,25 @@
 //! An idempotency layer for Envoy and Istio: a proxy-wasm HTTP filter.
 //!
-//! The core (`config`, `key`, `fingerprint`, `entry`, `engine`, `problem`, `store`) is plain
-//! Rust with no `proxy-wasm` import and is tested natively; `filter` is the thin host adapter.
+//! The core (`config`, `key`, `fingerprint`, `entry`, `engine`, `problem`, `metrics`,
+//! `store`) is plain Rust with no `proxy-wasm` import and is tested natively; `filter` is the
+//! thin host adapter, built for `wasm32-wasip1` only.
 
 pub mod config;
 pub mod engine;
 pub mod entry;
 pub mod fingerprint;
 pub mod key;
+pub mod metrics;
+pub mod problem;
 pub mod store;
+
+#[cfg(target_arch = "wasm32")]
+mod filter;
+
+#[cfg(target_arch = "wasm32")]
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Debug);
+    proxy_wasm::set_root_context(|id| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(filter::Root::new(id))
+    });
+}}

@@ -2,8 +2,7 @@
 //! with the same semantics in tests.
 
 pub mod memory;
-#[cfg(target_arch = "wasm32")]
-pub mod shared_data;
+// The shared-data implementation is host code: see `filter::host::SharedData`.
 
 /// Why a store operation failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

