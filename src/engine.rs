@@ -194,7 +194,7 @@ impl Held {
             State::Completed | State::CompletedNoBody => Held { in_progress: 0, completed: sign },
         }
     }
-    pub fn add(self, other: Held) -> Held {
+    pub fn plus(self, other: Held) -> Held {
         Held { in_progress: self.in_progress + other.in_progress, completed: self.completed + other.completed }
     }
 }
@@ -419,7 +419,7 @@ impl<S: SharedKv> Table<S> {
                 if way.state == State::Free || way.is_live(now_ms) {
                     continue;
                 }
-                freed = freed.add(Held::of(way.state, 1));
+                freed = freed.plus(Held::of(way.state, 1));
                 if way.state == State::Completed {
                     blank.push((bucket_id * WAYS as u32 + i as u32, way.gen));
                 }

@@ -155,7 +155,7 @@ fn memory_is_bounded_however_many_keys_pass() {
             other => panic!("key {k}: {other:?}"),
         };
         t.complete(&ticket, Some(&response(&"x".repeat(100))), now, 50).unwrap();
-        if k % 64 == 0 {
+        if k.is_multiple_of(64) {
             for b in 0..t.layout.buckets() {
                 t.sweep(b, now).unwrap();
             }
@@ -239,7 +239,7 @@ fn concurrent_callers_claim_each_key_once() {
                     match t.begin(&key(k), &fp(1), 0, LEASE).unwrap() {
                         Begin::Claimed { ticket, .. } => {
                             claims.fetch_add(1, Ordering::SeqCst);
-                            if k % 2 == 0 {
+                            if k.is_multiple_of(2) {
                                 t.complete(&ticket, Some(&response(&k.to_string())), 0, RETENTION).unwrap();
                             }
                         }

@@ -131,7 +131,7 @@ impl Stream {
                 if takeover {
                     vm.count(Counter::ExpiredTakeover);
                 }
-                vm.held(Held::of(State::InProgress, 1).add(Held::of(evicted, -1)));
+                vm.held(Held::of(State::InProgress, 1).plus(Held::of(evicted, -1)));
                 match (detached, vm.queue_id.get()) {
                     (Some((cluster, headers)), Some(queue)) => {
                         vm.outbox.borrow_mut().push_back(Job { context_id: self.id, ticket, cluster, headers, body });

@@ -123,7 +123,7 @@ impl Vm {
                 if response.is_none() {
                     self.count(Counter::ResponseNotStored);
                 }
-                self.held(Held::of(State::InProgress, -1).add(Held::of(State::Completed, 1)));
+                self.held(Held::of(State::InProgress, -1).plus(Held::of(State::Completed, 1)));
             }
             Ok(Finish::Lost) => {
                 log::info!("slot {} was taken over before its owner finished; the late result is not stored", ticket.slot);
@@ -148,7 +148,7 @@ impl Vm {
                     match self.table.complete(&ticket, response.as_ref(), now_ms, retention) {
                         Ok(Finish::Done) => {
                             self.count(Counter::Completed);
-                            self.held(Held::of(State::InProgress, -1).add(Held::of(State::Completed, 1)));
+                            self.held(Held::of(State::InProgress, -1).plus(Held::of(State::Completed, 1)));
                         }
                         Ok(Finish::Lost) => self.count(Counter::OwnerLost),
                         Err(_) => self.pending.borrow_mut().push(PendingWrite::Complete { ticket, response, now_ms }),
