@@ -3,7 +3,7 @@
 //! Parsing is done by hand over `serde_json::Value` so that every error names the field and
 //! says what was expected (serde's derive would report "invalid type at line 1 column 42").
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 use std::fmt;
 
 /// What to do with a duplicate that meets an in-progress first call (SPEC §3.3).
@@ -42,14 +42,29 @@ pub enum StoreConfig {
     SharedData,
 }
 
-/// The validated configuration. Header names are lower-case, methods upper-case.
+/// A JWT claim verified by Envoy's `jwt_authn` filter, read from its dynamic metadata
+/// (`payload_in_metadata`), to scope keys by the caller's verified identity.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Config {
+pub struct JwtClaim {
+    /// The `payload_in_metadata` name set in `jwt_authn`.
+    pub payload: String,
+    /// The claim, e.g. `sub`.
+    pub claim: String,
+}
+
+/// How a request is treated: the fields that per-route rules may override.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// `false` turns the filter off (for a route).
+    pub enabled: bool,
     pub key_header: String,
     pub methods: Vec<String>,
     pub require_key: bool,
     pub max_key_length: usize,
     pub scope_headers: Vec<String>,
+    /// Scope by the mTLS peer's identity (URI SAN, else `source.principal`).
+    pub scope_peer: bool,
+    pub scope_jwt_claim: Option<JwtClaim>,
     pub fingerprint_headers: Vec<String>,
     pub fingerprint_body: bool,
     pub lease_ms: u64,
@@ -57,25 +72,52 @@ pub struct Config {
     pub retry_after_s: u64,
     pub on_conflict: OnConflict,
     pub wait_max_ms: u64,
-    pub max_waiters: usize,
     pub release_statuses: StatusSet,
     pub max_request_body_bytes: usize,
     pub max_response_bytes: usize,
-    pub capacity: usize,
     pub forward: Forward,
     pub upstream_timeout_ms: u64,
-    pub namespace: String,
-    pub store: StoreConfig,
 }
 
-impl Default for Config {
+/// Which requests a rule applies to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RouteMatch {
+    Prefix(String),
+    Path(String),
+    RouteName(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    pub matcher: RouteMatch,
+    /// When set, the rule applies to these methods only.
+    pub methods: Option<Vec<String>>,
+    pub policy: Policy,
+}
+
+/// The validated configuration. Header names are lower-case, methods upper-case.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub namespace: String,
+    pub capacity: usize,
+    pub max_waiters: usize,
+    pub store: StoreConfig,
+    /// The policy of requests no rule matches.
+    pub policy: Policy,
+    pub rules: Vec<Rule>,
+}
+
+impl Default for Policy {
     fn default() -> Self {
-        Config {
+        Policy {
+            enabled: true,
             key_header: "idempotency-key".into(),
             methods: vec!["POST".into(), "PATCH".into()],
             require_key: false,
             max_key_length: 255,
             scope_headers: vec!["authorization".into()],
+            scope_peer: false,
+            scope_jwt_claim: None,
             fingerprint_headers: vec!["content-type".into()],
             fingerprint_body: true,
             lease_ms: 10_000,
@@ -83,15 +125,24 @@ impl Default for Config {
             retry_after_s: 1,
             on_conflict: OnConflict::Reject,
             wait_max_ms: 5_000,
-            max_waiters: 1_024,
             release_statuses: StatusSet { ranges: vec![(500, 599), (408, 408), (425, 425), (429, 429)] },
             max_request_body_bytes: 1 << 20,
             max_response_bytes: 1 << 20,
-            capacity: 65_536,
             forward: Forward::Detached,
             upstream_timeout_ms: 30_000,
+        }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
             namespace: "idem".into(),
+            capacity: 65_536,
+            max_waiters: 1_024,
             store: StoreConfig::SharedData,
+            policy: Policy::default(),
+            rules: Vec::new(),
         }
     }
 }
@@ -135,51 +186,178 @@ impl Config {
         let Value::Object(map) = value else {
             return Err(err("", "expected a JSON object"));
         };
-        Self::from_map(&map)
-    }
-
-    fn from_map(map: &Map<String, Value>) -> Result<Config, ConfigError> {
         let mut c = Config::default();
-        for (name, v) in map {
+        let mut rules = None;
+        for (name, v) in &map {
             let f = name.as_str();
             match f {
-                "key_header" => c.key_header = header_name(f, v)?,
-                "methods" => c.methods = methods(f, v)?,
-                "require_key" => c.require_key = boolean(f, v)?,
-                "max_key_length" => c.max_key_length = int(f, v, 1, 8192)? as usize,
-                "scope_headers" => c.scope_headers = header_names(f, v)?,
-                "fingerprint_headers" => c.fingerprint_headers = header_names(f, v)?,
-                "fingerprint_body" => c.fingerprint_body = boolean(f, v)?,
-                "lease_ms" => c.lease_ms = int(f, v, 100, MAX_MS)?,
-                "retention_s" => c.retention_s = int(f, v, 1, MAX_RETENTION_S)?,
-                "retry_after_s" => c.retry_after_s = int(f, v, 1, 3600)?,
-                "on_conflict" => {
-                    c.on_conflict = match string(f, v)? {
-                        "reject" => OnConflict::Reject,
-                        "wait" => OnConflict::Wait,
-                        other => return Err(err(f, format!("expected \"reject\" or \"wait\", got {other:?}"))),
-                    }
-                }
-                "wait_max_ms" => c.wait_max_ms = int(f, v, 1, MAX_MS)?,
-                "max_waiters" => c.max_waiters = int(f, v, 0, 1 << 20)? as usize,
-                "release_statuses" => c.release_statuses = statuses(f, v)?,
-                "max_request_body_bytes" => c.max_request_body_bytes = int(f, v, 0, MAX_BODY)? as usize,
-                "max_response_bytes" => c.max_response_bytes = int(f, v, 0, MAX_BODY)? as usize,
-                "capacity" => c.capacity = int(f, v, 1, MAX_CAPACITY)? as usize,
-                "forward" => {
-                    c.forward = match string(f, v)? {
-                        "detached" => Forward::Detached,
-                        "router" => Forward::Router,
-                        other => return Err(err(f, format!("expected \"detached\" or \"router\", got {other:?}"))),
-                    }
-                }
-                "upstream_timeout_ms" => c.upstream_timeout_ms = int(f, v, 0, MAX_MS)?,
                 "namespace" => c.namespace = namespace(f, v)?,
+                "capacity" => c.capacity = int(f, v, 1, MAX_CAPACITY)? as usize,
+                "max_waiters" => c.max_waiters = int(f, v, 0, 1 << 20)? as usize,
                 "store" => c.store = store(f, v)?,
-                other => return Err(err(other, "unknown field")),
+                "routes" => rules = Some(v),
+                _ => {
+                    if !c.policy.set(f, f, v)? {
+                        return Err(err(f, "unknown field"));
+                    }
+                }
+            }
+        }
+        // Rules start from the base policy, whatever the order of fields in the JSON.
+        if let Some(v) = rules {
+            for (i, item) in array("routes", v)?.iter().enumerate() {
+                c.rules.push(rule(&format!("routes[{i}]"), item, &c.policy)?);
             }
         }
         Ok(c)
+    }
+
+    /// The policy for a request: the first rule that matches, else the base policy.
+    pub fn policy_for(&self, path: &[u8], method: &[u8], route_name: Option<&[u8]>) -> usize {
+        let path = path.split(|b| *b == b'?').next().unwrap_or_default();
+        self.rules
+            .iter()
+            .position(|r| r.matches(path, method, route_name))
+            .map_or(0, |i| i + 1)
+    }
+
+    /// Policy 0 is the base policy; policy `i + 1` is rule `i`'s.
+    pub fn policy(&self, index: usize) -> &Policy {
+        match index.checked_sub(1).and_then(|i| self.rules.get(i)) {
+            Some(rule) => &rule.policy,
+            None => &self.policy,
+        }
+    }
+}
+
+impl Rule {
+    fn matches(&self, path: &[u8], method: &[u8], route_name: Option<&[u8]>) -> bool {
+        let path_ok = match &self.matcher {
+            RouteMatch::Prefix(p) => path.starts_with(p.as_bytes()),
+            RouteMatch::Path(p) => path == p.as_bytes(),
+            RouteMatch::RouteName(n) => route_name == Some(n.as_bytes()),
+        };
+        path_ok && self.methods.as_ref().is_none_or(|ms| ms.iter().any(|m| m.as_bytes() == method))
+    }
+}
+
+fn rule(f: &str, v: &Value, base: &Policy) -> Result<Rule, ConfigError> {
+    let Value::Object(map) = v else {
+        return Err(err(f, format!("expected an object like {{\"match\":{{\"prefix\":\"/payments\"}},\"require_key\":true}}, got {v}")));
+    };
+    let match_field = format!("{f}.match");
+    let Some(Value::Object(m)) = map.get("match") else {
+        return Err(err(&match_field, "missing, or not an object with one of prefix, path, route_name (and optional methods)"));
+    };
+    let mut matcher = None;
+    let mut methods_only = None;
+    for (name, mv) in m {
+        let mf = format!("{match_field}.{name}");
+        let kind = match name.as_str() {
+            "prefix" => RouteMatch::Prefix(path_string(&mf, mv)?),
+            "path" => RouteMatch::Path(path_string(&mf, mv)?),
+            "route_name" => RouteMatch::RouteName(string(&mf, mv)?.to_string()),
+            "methods" => {
+                methods_only = Some(methods(&mf, mv)?);
+                continue;
+            }
+            _ => return Err(err(&mf, "unknown field; expected prefix, path, route_name or methods")),
+        };
+        if matcher.replace(kind).is_some() {
+            return Err(err(&match_field, "give exactly one of prefix, path, route_name"));
+        }
+    }
+    let Some(matcher) = matcher else {
+        return Err(err(&match_field, "give exactly one of prefix, path, route_name"));
+    };
+    let mut policy = base.clone();
+    for (name, fv) in map {
+        if name == "match" {
+            continue;
+        }
+        let field = format!("{f}.{name}");
+        if !policy.set(name, &field, fv)? {
+            return Err(err(&field, "unknown field, or not one a rule can override"));
+        }
+    }
+    Ok(Rule { matcher, methods: methods_only, policy })
+}
+
+impl Policy {
+    /// Sets one field; `Ok(false)` when `name` is not a policy field.
+    fn set(&mut self, name: &str, f: &str, v: &Value) -> Result<bool, ConfigError> {
+        match name {
+            "enabled" => self.enabled = boolean(f, v)?,
+            "key_header" => self.key_header = header_name(f, v)?,
+            "methods" => self.methods = methods(f, v)?,
+            "require_key" => self.require_key = boolean(f, v)?,
+            "max_key_length" => self.max_key_length = int(f, v, 1, 8192)? as usize,
+            "scope_headers" => self.scope_headers = header_names(f, v)?,
+            "scope_peer" => self.scope_peer = boolean(f, v)?,
+            "scope_jwt_claim" => self.scope_jwt_claim = jwt_claim(f, v)?,
+            "fingerprint_headers" => self.fingerprint_headers = header_names(f, v)?,
+            "fingerprint_body" => self.fingerprint_body = boolean(f, v)?,
+            "lease_ms" => self.lease_ms = int(f, v, 100, MAX_MS)?,
+            "retention_s" => self.retention_s = int(f, v, 1, MAX_RETENTION_S)?,
+            "retry_after_s" => self.retry_after_s = int(f, v, 1, 3600)?,
+            "on_conflict" => {
+                self.on_conflict = match string(f, v)? {
+                    "reject" => OnConflict::Reject,
+                    "wait" => OnConflict::Wait,
+                    other => return Err(err(f, format!("expected \"reject\" or \"wait\", got {other:?}"))),
+                }
+            }
+            "wait_max_ms" => self.wait_max_ms = int(f, v, 1, MAX_MS)?,
+            "release_statuses" => self.release_statuses = statuses(f, v)?,
+            "max_request_body_bytes" => self.max_request_body_bytes = int(f, v, 0, MAX_BODY)? as usize,
+            "max_response_bytes" => self.max_response_bytes = int(f, v, 0, MAX_BODY)? as usize,
+            "forward" => {
+                self.forward = match string(f, v)? {
+                    "detached" => Forward::Detached,
+                    "router" => Forward::Router,
+                    other => return Err(err(f, format!("expected \"detached\" or \"router\", got {other:?}"))),
+                }
+            }
+            "upstream_timeout_ms" => self.upstream_timeout_ms = int(f, v, 0, MAX_MS)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
+fn path_string(f: &str, v: &Value) -> Result<String, ConfigError> {
+    let s = string(f, v)?;
+    if !s.starts_with('/') {
+        return Err(err(f, format!("expected a path starting with '/', got {s:?}")));
+    }
+    Ok(s.to_string())
+}
+
+fn jwt_claim(f: &str, v: &Value) -> Result<Option<JwtClaim>, ConfigError> {
+    if v.is_null() {
+        return Ok(None);
+    }
+    let Value::Object(map) = v else {
+        return Err(err(f, format!("expected {{\"payload\":\"<payload_in_metadata>\",\"claim\":\"sub\"}}, got {v}")));
+    };
+    let mut payload = None;
+    let mut claim = None;
+    for (name, item) in map {
+        let field = format!("{f}.{name}");
+        let value = string(&field, item)?;
+        if value.is_empty() {
+            return Err(err(&field, "must not be empty"));
+        }
+        match name.as_str() {
+            "payload" => payload = Some(value.to_string()),
+            "claim" => claim = Some(value.to_string()),
+            _ => return Err(err(&field, "unknown field; expected payload and claim")),
+        }
+    }
+    match (payload, claim) {
+        (Some(payload), Some(claim)) => Ok(Some(JwtClaim { payload, claim })),
+        (None, _) => Err(err(&format!("{f}.payload"), "missing")),
+        (_, None) => Err(err(&format!("{f}.claim"), "missing")),
     }
 }
 
@@ -321,19 +499,20 @@ mod tests {
                 "scope_headers":["X-Tenant"],"store":{"kind":"shared_data"}}"#,
         )
         .unwrap();
-        assert_eq!(c.key_header, "x-idem");
-        assert_eq!(c.methods, vec!["POST", "PUT"]);
-        assert!(c.require_key);
-        assert_eq!((c.lease_ms, c.retention_s, c.capacity), (2000, 60, 1024));
-        assert!(c.release_statuses.contains(404) && c.release_statuses.contains(503));
-        assert!(!c.release_statuses.contains(500) && !c.release_statuses.contains(201));
-        assert_eq!(c.forward, Forward::Router);
-        assert_eq!(c.scope_headers, vec!["x-tenant"]);
+        let p = &c.policy;
+        assert_eq!(p.key_header, "x-idem");
+        assert_eq!(p.methods, vec!["POST", "PUT"]);
+        assert!(p.require_key);
+        assert_eq!((p.lease_ms, p.retention_s, c.capacity), (2000, 60, 1024));
+        assert!(p.release_statuses.contains(404) && p.release_statuses.contains(503));
+        assert!(!p.release_statuses.contains(500) && !p.release_statuses.contains(201));
+        assert_eq!(p.forward, Forward::Router);
+        assert_eq!(p.scope_headers, vec!["x-tenant"]);
     }
 
     #[test]
     fn default_release_statuses_follow_the_spec() {
-        let s = Config::default().release_statuses;
+        let s = Config::default().policy.release_statuses;
         for code in [500, 503, 599, 408, 425, 429] {
             assert!(s.contains(code), "{code}");
         }
@@ -366,6 +545,54 @@ mod tests {
             let e = parse(json).unwrap_err();
             assert_eq!(e.field, field, "{json}: {e}");
             assert!(e.to_string().contains(field));
+        }
+    }
+
+    #[test]
+    fn rules_override_the_base_policy_and_the_first_match_wins() {
+        let c = parse(
+            r#"{"lease_ms":3000,
+                "routes":[
+                  {"match":{"prefix":"/payments","methods":["POST"]},"require_key":true},
+                  {"match":{"path":"/search"},"enabled":false},
+                  {"match":{"route_name":"orders"},"on_conflict":"wait","scope_jwt_claim":{"payload":"jwt","claim":"sub"}},
+                  {"match":{"prefix":"/"},"forward":"router"}
+                ]}"#,
+        )
+        .unwrap();
+        let pick = |path: &str, method: &str, route: Option<&str>| c.policy_for(path.as_bytes(), method.as_bytes(), route.map(str::as_bytes));
+        assert_eq!(pick("/payments/1?x=1", "POST", None), 1);
+        assert!(c.policy(1).require_key);
+        assert_eq!(c.policy(1).lease_ms, 3000, "rules inherit the base policy");
+        assert_eq!(pick("/payments/1", "PATCH", None), 4, "method list restricts the rule");
+        assert_eq!(pick("/search?q=a", "POST", None), 2);
+        assert!(!c.policy(2).enabled);
+        assert_eq!(pick("/search/more", "POST", None), 4, "path is exact");
+        assert_eq!(pick("/orders", "POST", Some("orders")), 3);
+        assert_eq!(c.policy(3).on_conflict, OnConflict::Wait);
+        assert_eq!(c.policy(3).scope_jwt_claim, Some(JwtClaim { payload: "jwt".into(), claim: "sub".into() }));
+        assert_eq!(c.policy(4).forward, Forward::Router);
+        assert!(!c.policy(0).require_key);
+
+        let no_rules = parse("{}").unwrap();
+        assert_eq!(no_rules.policy_for(b"/x", b"POST", None), 0);
+    }
+
+    #[test]
+    fn rule_errors_name_the_field() {
+        let cases = [
+            (r#"{"routes":{}}"#, "routes"),
+            (r#"{"routes":[{"require_key":true}]}"#, "routes[0].match"),
+            (r#"{"routes":[{"match":{"prefix":"/a","path":"/b"}}]}"#, "routes[0].match"),
+            (r#"{"routes":[{"match":{"prefix":"a"}}]}"#, "routes[0].match.prefix"),
+            (r#"{"routes":[{"match":{"regex":".*"}}]}"#, "routes[0].match.regex"),
+            (r#"{"routes":[{"match":{"prefix":"/"}},{"match":{"prefix":"/"},"lease_ms":-1}]}"#, "routes[1].lease_ms"),
+            (r#"{"routes":[{"match":{"prefix":"/"},"capacity":5}]}"#, "routes[0].capacity"),
+            (r#"{"scope_jwt_claim":{"payload":"jwt"}}"#, "scope_jwt_claim.claim"),
+        ];
+        for (json, field) in cases {
+            let e = parse(json).unwrap_err();
+            assert_eq!(e.field, field, "{json}: {e}");
         }
     }
 

@@ -116,10 +116,6 @@ pub fn request_headers() -> Vec<(String, Vec<u8>)> {
     hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
 }
 
-pub fn request_header(name: &str) -> Option<Vec<u8>> {
-    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
-}
-
 pub fn response_headers() -> Vec<(String, Vec<u8>)> {
     hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default()
 }
@@ -142,6 +138,10 @@ pub fn call_response_body(size: usize) -> Vec<u8> {
 
 pub fn property(path: &[&str]) -> Option<Vec<u8>> {
     hostcalls::get_property(path.to_vec()).ok().flatten()
+}
+
+pub fn resume_request() -> bool {
+    hostcalls::resume_http_request().is_ok()
 }
 
 /// Makes `context_id` the stream that later calls act on; `false` when the stream is gone.

@@ -1,14 +1,15 @@
 //! One HTTP stream: reads the key and the body, asks the table, then replies itself, lets the
-//! request go upstream through the router, or hands it to the root (detached forwarding).
+//! request go upstream through the router, hands it to the root (detached forwarding), or
+//! waits for the first call's outcome (wait mode).
 
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::rc::Rc;
 
-use super::{host, send_stored, Job, Owned, Vm};
-use crate::config::Forward;
-use crate::engine::{Begin, Held};
-use crate::entry::{State, StoredResponse};
+use super::{describe, host, judge, send_stored, Job, Outbound, Owned, Verdict, Vm, Waiter};
+use crate::config::{Forward, OnConflict, Policy};
+use crate::engine::Ticket;
+use crate::entry::StoredResponse;
 use crate::fingerprint::FingerprintBuilder;
 use crate::key::{parse_key, StoreKey};
 use crate::metrics::Counter;
@@ -17,6 +18,8 @@ use crate::problem::Problem;
 pub struct Stream {
     id: u32,
     vm: Rc<Vm>,
+    /// Index of the policy (base or rule) that applies to this request.
+    policy: usize,
     phase: Phase,
 }
 
@@ -26,9 +29,11 @@ enum Phase {
     /// Covered: waiting for the whole body before the claim.
     ReadingBody(Box<Pending>),
     /// Router forwarding: we own the key and watch the upstream's answer.
-    Owner { ticket: crate::engine::Ticket, capture: Option<Capture> },
+    Owner { ticket: Ticket, capture: Option<Capture> },
     /// Detached forwarding: the root sends the request and answers us.
     Detached,
+    /// Held by the root until the first call's outcome is known.
+    Waiting,
     /// We answered locally; our own reply passes through our response callbacks.
     Replied,
 }
@@ -36,7 +41,7 @@ enum Phase {
 struct Pending {
     key: StoreKey,
     fingerprint: FingerprintBuilder,
-    /// The request as the root will send it, when it can be detached.
+    /// The request's cluster and headers, when the root can send it itself.
     detached: Option<(String, Vec<(String, String)>)>,
 }
 
@@ -50,11 +55,16 @@ struct Capture {
 
 impl Stream {
     pub fn new(id: u32, vm: Rc<Vm>) -> Stream {
-        Stream { id, vm, phase: Phase::Pass }
+        Stream { id, vm, policy: 0, phase: Phase::Pass }
+    }
+
+    fn policy(&self) -> &Policy {
+        self.vm.policy(self.policy)
     }
 
     fn reply(&mut self, problem: &Problem) -> Action {
         self.phase = Phase::Replied;
+        self.vm.live.borrow_mut().remove(&self.id);
         self.vm.reply_problem(problem);
         Action::Pause
     }
@@ -62,47 +72,50 @@ impl Stream {
     /// Request headers: is the request covered, is its key valid; remember what the claim
     /// needs. The claim itself waits for the body (it is part of the fingerprint).
     fn on_headers(&mut self, end_of_stream: bool) -> Action {
-        let cfg = &self.vm.config;
-        let method = host::request_header(":method").unwrap_or_default();
-        if !cfg.methods.iter().any(|m| m.as_bytes() == method.as_slice()) {
+        let headers = host::request_headers();
+        let value_of = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
+        let method = value_of(":method").unwrap_or_default();
+        let path = value_of(":path").unwrap_or_default();
+        let route_name = if self.vm.config.rules.iter().any(|r| matches!(r.matcher, crate::config::RouteMatch::RouteName(_))) {
+            host::property(&["xds", "route_name"])
+        } else {
+            None
+        };
+        self.policy = self.vm.config.policy_for(path, method, route_name.as_deref());
+        let vm = self.vm.clone();
+        let policy = vm.policy(self.policy);
+        if !policy.enabled || !policy.methods.iter().any(|m| m.as_bytes() == method) {
             return Action::Continue;
         }
-        let headers = host::request_headers();
-        let mut keys = headers.iter().filter(|(n, _)| *n == cfg.key_header);
+        let mut keys = headers.iter().filter(|(n, _)| *n == policy.key_header);
         let raw_key = match (keys.next(), keys.next()) {
-            (None, _) if cfg.require_key => {
-                self.vm.count(Counter::MissingKey);
-                return self.reply(&Problem::missing_key(&cfg.key_header));
+            (None, _) if policy.require_key => {
+                vm.count(Counter::MissingKey);
+                return self.reply(&Problem::missing_key(&policy.key_header));
             }
             (None, _) => return Action::Continue,
             (Some(_), Some(_)) => {
-                self.vm.count(Counter::InvalidKey);
-                return self.reply(&Problem::duplicate_key_header(&cfg.key_header));
+                vm.count(Counter::InvalidKey);
+                return self.reply(&Problem::duplicate_key_header(&policy.key_header));
             }
             (Some((_, v)), None) => v,
         };
-        let client_key = match parse_key(raw_key, cfg.max_key_length) {
+        let client_key = match parse_key(raw_key, policy.max_key_length) {
             Ok(k) => k,
             Err(e) => {
-                self.vm.count(Counter::InvalidKey);
-                return self.reply(&Problem::invalid_key(e.detail(cfg.max_key_length)));
+                vm.count(Counter::InvalidKey);
+                return self.reply(&Problem::invalid_key(e.detail(policy.max_key_length)));
             }
         };
-        let value_of = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
-        let all_values = |name: &str| -> Option<Vec<u8>> {
-            let mut values = headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()).peekable();
-            values.peek()?;
-            Some(values.collect::<Vec<_>>().join(&0u8))
-        };
-        let scopes: Vec<Option<Vec<u8>>> = cfg.scope_headers.iter().map(|h| all_values(h)).collect();
+        let scopes = scope_values(policy, &headers);
         let scope_refs: Vec<Option<&[u8]>> = scopes.iter().map(|s| s.as_deref()).collect();
-        let key = StoreKey::derive(&cfg.namespace, value_of(":authority").unwrap_or_default(), &scope_refs, &client_key);
-        let mut fingerprint = FingerprintBuilder::new(&method, value_of(":path").unwrap_or_default());
-        for name in &cfg.fingerprint_headers {
+        let key = StoreKey::derive(&vm.config.namespace, value_of(":authority").unwrap_or_default(), &scope_refs, &client_key);
+        let mut fingerprint = FingerprintBuilder::new(method, path);
+        for name in &policy.fingerprint_headers {
             fingerprint.header(name, headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()));
         }
-        let detached = if cfg.forward == Forward::Detached { detachable(&headers) } else { None };
-        self.vm.live.borrow_mut().insert(self.id);
+        let detached = if policy.forward == Forward::Detached { detachable(&headers) } else { None };
+        vm.live.borrow_mut().insert(self.id);
         self.phase = Phase::ReadingBody(Box::new(Pending { key, fingerprint, detached }));
         if end_of_stream {
             self.claim(Vec::new())
@@ -118,67 +131,62 @@ impl Stream {
         };
         let Pending { key, mut fingerprint, detached } = *pending;
         let vm = self.vm.clone();
-        let cfg = &vm.config;
-        if cfg.fingerprint_body {
+        let policy = vm.policy(self.policy);
+        if policy.fingerprint_body {
             fingerprint.body(&body);
         }
+        let fingerprint = fingerprint.finish();
         let now = vm.now_ms();
-        let begin = vm.table.begin(&key, &fingerprint.finish(), now, cfg.lease_ms);
+        let begin = vm.table.begin(&key, &fingerprint, now, policy.lease_ms);
         log::debug!("key {} -> {}", key.short(), describe(&begin));
-        match begin {
-            Ok(Begin::Claimed { ticket, takeover, evicted }) => {
-                vm.count(Counter::Claimed);
-                if takeover {
-                    vm.count(Counter::ExpiredTakeover);
-                }
-                vm.held(Held::of(State::InProgress, 1).plus(Held::of(evicted, -1)));
-                match (detached, vm.queue_id.get()) {
-                    (Some((cluster, headers)), Some(queue)) => {
-                        vm.outbox.borrow_mut().push_back(Job { context_id: self.id, ticket, cluster, headers, body });
-                        if !host::enqueue(queue) {
-                            log::warn!("enqueue failed; the job waits for the next queue event");
-                        }
-                        self.phase = Phase::Detached;
-                        Action::Pause
+        let outbound = detached.map(|(cluster, headers)| Outbound { cluster, headers, body });
+        match judge(&vm, policy, begin) {
+            Verdict::Claimed(ticket) => match (outbound, vm.queue_id.get()) {
+                (Some(request), Some(queue)) => {
+                    vm.outbox.borrow_mut().push_back(Job { context_id: self.id, policy: self.policy, ticket, request });
+                    if !host::enqueue(queue) {
+                        log::warn!("enqueue failed; the job waits for the next queue event");
                     }
-                    _ => {
-                        vm.owners.borrow_mut().insert(self.id, Owned { ticket, renewed_ms: now });
-                        self.phase = Phase::Owner { ticket, capture: None };
-                        Action::Continue
-                    }
+                    self.phase = Phase::Detached;
+                    Action::Pause
                 }
-            }
-            Ok(Begin::InProgress) => {
+                _ => {
+                    vm.owners.borrow_mut().insert(self.id, Owned { policy: self.policy, ticket, renewed_ms: now });
+                    self.phase = Phase::Owner { ticket, capture: None };
+                    Action::Continue
+                }
+            },
+            Verdict::InProgress => {
+                let room = vm.waiters.borrow().len() < vm.config.max_waiters;
+                if policy.on_conflict == OnConflict::Wait && room {
+                    vm.count(Counter::Waited);
+                    let deadline_ms = now.saturating_add(policy.wait_max_ms);
+                    let waiter = Waiter { context_id: self.id, policy: self.policy, key, fingerprint, deadline_ms, outbound };
+                    vm.waiters.borrow_mut().push(waiter);
+                    self.phase = Phase::Waiting;
+                    return Action::Pause;
+                }
                 vm.count(Counter::Conflict);
-                self.reply(&Problem::in_progress(cfg.retry_after_s))
+                self.reply(&Problem::in_progress(policy.retry_after_s))
             }
-            Ok(Begin::Replay(response)) => {
-                vm.count(Counter::Replayed);
+            Verdict::Replay(response) => {
                 self.phase = Phase::Replied;
+                vm.live.borrow_mut().remove(&self.id);
                 send_stored(&response, true);
                 Action::Pause
             }
-            Ok(Begin::CompletedWithoutBody) => {
-                vm.count(Counter::Conflict);
-                self.reply(&Problem::completed_without_response())
-            }
-            Ok(Begin::Mismatch) => {
-                vm.count(Counter::FingerprintMismatch);
-                self.reply(&Problem::fingerprint_mismatch())
-            }
-            Ok(Begin::Full) => {
-                vm.count(Counter::StoreFull);
-                self.reply(&Problem::store_full(cfg.retry_after_s))
-            }
-            Err(e) => {
-                let p = vm.store_problem(e);
-                self.reply(&p)
-            }
+            Verdict::Problem(p) => self.reply(&p),
         }
     }
 
     /// Router forwarding: the upstream's answer (or Envoy's stand-in for it) arrives.
     fn on_owner_response_headers(&mut self, end_of_stream: bool) {
+        if let Phase::Waiting = self.phase {
+            // A waiter the root promoted to owner and resumed (router forwarding).
+            if let Some((_, ticket)) = self.vm.handoff.borrow_mut().remove(&self.id) {
+                self.phase = Phase::Owner { ticket, capture: None };
+            }
+        }
         let Phase::Owner { ticket, capture: None } = self.phase else { return };
         let vm = self.vm.clone();
         let headers = host::response_headers();
@@ -190,7 +198,7 @@ impl Stream {
         // Only an answer the upstream really gave completes the key; Envoy's own (connect
         // failure, reset, route timeout) says the work may not have happened (SPEC §4).
         let via_upstream = host::property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");
-        if !via_upstream || vm.config.release_statuses.contains(status) {
+        if !via_upstream || self.policy().release_statuses.contains(status) {
             if !via_upstream {
                 vm.count(Counter::UpstreamFailed);
             }
@@ -207,21 +215,18 @@ impl Stream {
     }
 
     fn on_owner_response_body(&mut self, size: usize, end_of_stream: bool) {
-        let max = self.vm.config.max_response_bytes;
-        if let Phase::Owner { capture: Some(c), .. } = &mut self.phase {
-            if !c.too_large {
-                // With Action::Continue each callback sees the current chunk: copy it as it
-                // passes, so storing never delays or buffers the response.
-                let chunk = host::response_body_chunk(size);
-                if c.body.len() + chunk.len() > max {
-                    c.too_large = true;
-                    c.body = Vec::new();
-                } else {
-                    c.body.extend_from_slice(&chunk);
-                }
+        let max = self.policy().max_response_bytes;
+        let Phase::Owner { capture: Some(c), .. } = &mut self.phase else { return };
+        if !c.too_large {
+            // With Action::Continue each callback sees the current chunk: copy it as it
+            // passes, so storing never delays or buffers the response.
+            let chunk = host::response_body_chunk(size);
+            if c.body.len() + chunk.len() > max {
+                c.too_large = true;
+                c.body = Vec::new();
+            } else {
+                c.body.extend_from_slice(&chunk);
             }
-        } else {
-            return;
         }
         if end_of_stream {
             self.finish_capture();
@@ -232,8 +237,32 @@ impl Stream {
         let Phase::Owner { ticket, capture: Some(c) } = std::mem::replace(&mut self.phase, Phase::Pass) else { return };
         self.vm.owners.borrow_mut().remove(&self.id);
         let response = (!c.too_large).then_some(StoredResponse { status: c.status, headers: c.headers, body: c.body });
-        self.vm.complete(&ticket, response);
+        self.vm.complete(self.policy, &ticket, response);
     }
+}
+
+/// The values that scope the key to a caller: configured headers (all their values), the
+/// mTLS peer, a verified JWT claim. An absent value is the anonymous scope.
+fn scope_values(policy: &Policy, headers: &[(String, Vec<u8>)]) -> Vec<Option<Vec<u8>>> {
+    let mut scopes: Vec<Option<Vec<u8>>> = policy
+        .scope_headers
+        .iter()
+        .map(|name| {
+            let values: Vec<&[u8]> = headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()).collect();
+            (!values.is_empty()).then(|| values.join(&0u8))
+        })
+        .collect();
+    if policy.scope_peer {
+        let peer = host::property(&["connection", "uri_san_peer_certificate"])
+            .filter(|v| !v.is_empty())
+            .or_else(|| host::property(&["source", "principal"]).filter(|v| !v.is_empty()));
+        scopes.push(peer);
+    }
+    if let Some(jwt) = &policy.scope_jwt_claim {
+        let path = ["metadata", "filter_metadata", "envoy.filters.http.jwt_authn", jwt.payload.as_str(), jwt.claim.as_str()];
+        scopes.push(host::property(&path).filter(|v| !v.is_empty()));
+    }
+    scopes
 }
 
 /// The request's cluster and headers, if the root can send it: the route names a cluster and
@@ -251,24 +280,16 @@ fn detachable(headers: &[(String, Vec<u8>)]) -> Option<(String, Vec<(String, Str
     Some((cluster, headers))
 }
 
-fn describe(begin: &Result<Begin, crate::engine::StoreError>) -> String {
-    match begin {
-        Ok(Begin::Claimed { ticket, takeover, .. }) => format!("claimed slot {} gen {} (takeover: {takeover})", ticket.slot, ticket.gen),
-        Ok(Begin::InProgress) => "in progress: 409".into(),
-        Ok(Begin::Replay(r)) => format!("replay of {}", r.status),
-        Ok(Begin::CompletedWithoutBody) => "completed without stored response: 409".into(),
-        Ok(Begin::Mismatch) => "fingerprint mismatch: 422".into(),
-        Ok(Begin::Full) => "store full: 503".into(),
-        Err(e) => format!("store error {e:?}: 503"),
-    }
-}
-
 impl Context for Stream {
     fn on_done(&mut self) -> bool {
         // A router owner whose client left before the answer: the outcome is unknown, so its
         // mark is no longer renewed and expires (SPEC §3.5). A detached call goes on.
         self.vm.live.borrow_mut().remove(&self.id);
         self.vm.owners.borrow_mut().remove(&self.id);
+        self.vm.handoff.borrow_mut().remove(&self.id);
+        if let Phase::Waiting = self.phase {
+            self.vm.waiters.borrow_mut().retain(|w| w.context_id != self.id);
+        }
         true
     }
 }
@@ -282,9 +303,8 @@ impl HttpContext for Stream {
         if !matches!(self.phase, Phase::ReadingBody(_)) {
             return Action::Continue;
         }
-        let max = self.vm.config.max_request_body_bytes;
+        let max = self.policy().max_request_body_bytes;
         if body_size > max {
-            self.vm.live.borrow_mut().remove(&self.id);
             self.vm.count(Counter::TooLarge);
             return self.reply(&Problem::body_too_large(max));
         }
@@ -298,7 +318,7 @@ impl HttpContext for Stream {
         if !matches!(self.phase, Phase::ReadingBody(_)) {
             return Action::Continue;
         }
-        self.claim(host::request_body(self.vm.config.max_request_body_bytes))
+        self.claim(host::request_body(self.policy().max_request_body_bytes))
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

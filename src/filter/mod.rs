@@ -10,39 +10,61 @@ mod root;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use crate::config::Config;
+use crate::config::{Config, Policy};
 use crate::engine::{Finish, Held, StoreError, Table, Ticket};
 use crate::entry::{State, StoredResponse};
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
 use crate::metrics::{Counter, Gauge};
 use crate::problem::Problem;
 
 pub use root::Root;
 
-/// A covered request whose upstream call the root must send (detached forwarding).
-pub struct Job {
-    pub context_id: u32,
-    pub ticket: Ticket,
+/// A request as the root sends it upstream itself (detached forwarding).
+#[derive(Clone)]
+pub struct Outbound {
     pub cluster: String,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
 }
 
+/// A covered request whose upstream call the root must send (detached forwarding).
+pub struct Job {
+    pub context_id: u32,
+    pub policy: usize,
+    pub ticket: Ticket,
+    pub request: Outbound,
+}
+
 /// An upstream call in flight, sent by the root (detached forwarding).
 pub struct Call {
     pub context_id: u32,
+    pub policy: usize,
     pub ticket: Ticket,
     pub renewed_ms: u64,
 }
 
 /// A router-mode owner whose mark is renewed while its stream lives.
 pub struct Owned {
+    pub policy: usize,
     pub ticket: Ticket,
     pub renewed_ms: u64,
 }
 
+/// A duplicate held until the first call's outcome is known (`on_conflict: "wait"`).
+pub struct Waiter {
+    pub context_id: u32,
+    pub policy: usize,
+    pub key: StoreKey,
+    pub fingerprint: Fingerprint,
+    pub deadline_ms: u64,
+    /// Set when the request can be sent detached, should it become the owner.
+    pub outbound: Option<Outbound>,
+}
+
 /// A completion or release the store did not acknowledge: retried from `on_tick` (SPEC §3.8).
 pub enum PendingWrite {
-    Complete { ticket: Ticket, response: Option<StoredResponse>, now_ms: u64 },
+    Complete { ticket: Ticket, response: Option<StoredResponse>, now_ms: u64, retention_ms: u64 },
     Release { ticket: Ticket },
 }
 
@@ -59,6 +81,10 @@ pub struct Vm {
     pub calls: RefCell<HashMap<u32, Call>>,
     pub outbox: RefCell<VecDeque<Job>>,
     pub pending: RefCell<Vec<PendingWrite>>,
+    pub waiters: RefCell<Vec<Waiter>>,
+    /// Router-mode waiters the root promoted to owner: their stream picks the ticket up in its
+    /// response callbacks (the root cannot reach the HTTP context object).
+    pub handoff: RefCell<HashMap<u32, (usize, Ticket)>>,
 }
 
 impl Vm {
@@ -76,7 +102,13 @@ impl Vm {
             calls: RefCell::default(),
             outbox: RefCell::default(),
             pending: RefCell::default(),
+            waiters: RefCell::default(),
+            handoff: RefCell::default(),
         }
+    }
+
+    pub fn policy(&self, index: usize) -> &Policy {
+        self.config.policy(index)
     }
 
     pub fn count(&self, counter: Counter) {
@@ -115,9 +147,10 @@ impl Vm {
 
     /// The upstream answered with a status that completes the key. `response` is `None` when
     /// it was larger than `max_response_bytes`.
-    pub fn complete(&self, ticket: &Ticket, response: Option<StoredResponse>) {
+    pub fn complete(&self, policy: usize, ticket: &Ticket, response: Option<StoredResponse>) {
         let now = self.now_ms();
-        match self.table.complete(ticket, response.as_ref(), now, self.config.retention_s * 1000) {
+        let retention_ms = self.policy(policy).retention_s * 1000;
+        match self.table.complete(ticket, response.as_ref(), now, retention_ms) {
             Ok(Finish::Done) => {
                 self.count(Counter::Completed);
                 if response.is_none() {
@@ -132,7 +165,7 @@ impl Vm {
             Err(e) => {
                 log::warn!("completion failed ({e:?}); retrying from on_tick");
                 self.count(Counter::StoreError);
-                self.pending.borrow_mut().push(PendingWrite::Complete { ticket: *ticket, response, now_ms: now });
+                self.pending.borrow_mut().push(PendingWrite::Complete { ticket: *ticket, response, now_ms: now, retention_ms });
             }
         }
     }
@@ -143,15 +176,14 @@ impl Vm {
         for write in pending {
             match write {
                 PendingWrite::Release { ticket } => self.release(&ticket),
-                PendingWrite::Complete { ticket, response, now_ms } => {
-                    let retention = self.config.retention_s * 1000;
-                    match self.table.complete(&ticket, response.as_ref(), now_ms, retention) {
+                PendingWrite::Complete { ticket, response, now_ms, retention_ms } => {
+                    match self.table.complete(&ticket, response.as_ref(), now_ms, retention_ms) {
                         Ok(Finish::Done) => {
                             self.count(Counter::Completed);
                             self.held(Held::of(State::InProgress, -1).plus(Held::of(State::Completed, 1)));
                         }
                         Ok(Finish::Lost) => self.count(Counter::OwnerLost),
-                        Err(_) => self.pending.borrow_mut().push(PendingWrite::Complete { ticket, response, now_ms }),
+                        Err(_) => self.pending.borrow_mut().push(PendingWrite::Complete { ticket, response, now_ms, retention_ms }),
                     }
                 }
             }
@@ -165,10 +197,16 @@ impl Vm {
         }
     }
 
-    pub fn store_problem(&self, e: StoreError) -> Problem {
+    pub fn store_problem(&self, e: StoreError, retry_after_s: u64) -> Problem {
         log::warn!("store error {e:?}");
         self.count(Counter::StoreError);
-        Problem::store_unavailable(self.config.retry_after_s)
+        Problem::store_unavailable(retry_after_s)
+    }
+
+    /// Whether any policy holds duplicates (it wants a fast timer).
+    pub fn waits(&self) -> bool {
+        let wait = |p: &Policy| p.on_conflict == crate::config::OnConflict::Wait;
+        wait(&self.config.policy) || self.config.rules.iter().any(|r| wait(&r.policy))
     }
 }
 
@@ -194,5 +232,60 @@ pub fn send_stored(response: &StoredResponse, replayed: bool) {
     }
     if let Err(status) = host::send_response(response.status, &headers, &response.body) {
         log::warn!("local reply failed with status {status}");
+    }
+}
+
+/// What a request is told, from the table's answer (SPEC §3.3–3.6).
+pub enum Verdict {
+    Claimed(Ticket),
+    /// Same fingerprint, in progress: 409, or wait.
+    InProgress,
+    Replay(StoredResponse),
+    Problem(Problem),
+}
+
+/// Turns the table's answer into a verdict and counts it.
+pub fn judge(vm: &Vm, policy: &Policy, begin: Result<crate::engine::Begin, StoreError>) -> Verdict {
+    use crate::engine::Begin;
+    match begin {
+        Ok(Begin::Claimed { ticket, takeover, evicted }) => {
+            vm.count(Counter::Claimed);
+            if takeover {
+                vm.count(Counter::ExpiredTakeover);
+            }
+            vm.held(Held::of(State::InProgress, 1).plus(Held::of(evicted, -1)));
+            Verdict::Claimed(ticket)
+        }
+        Ok(Begin::InProgress) => Verdict::InProgress,
+        Ok(Begin::Replay(response)) => {
+            vm.count(Counter::Replayed);
+            Verdict::Replay(response)
+        }
+        Ok(Begin::CompletedWithoutBody) => {
+            vm.count(Counter::Conflict);
+            Verdict::Problem(Problem::completed_without_response())
+        }
+        Ok(Begin::Mismatch) => {
+            vm.count(Counter::FingerprintMismatch);
+            Verdict::Problem(Problem::fingerprint_mismatch())
+        }
+        Ok(Begin::Full) => {
+            vm.count(Counter::StoreFull);
+            Verdict::Problem(Problem::store_full(policy.retry_after_s))
+        }
+        Err(e) => Verdict::Problem(vm.store_problem(e, policy.retry_after_s)),
+    }
+}
+
+pub fn describe(begin: &Result<crate::engine::Begin, StoreError>) -> String {
+    use crate::engine::Begin;
+    match begin {
+        Ok(Begin::Claimed { ticket, takeover, .. }) => format!("claimed slot {} gen {} (takeover: {takeover})", ticket.slot, ticket.gen),
+        Ok(Begin::InProgress) => "in progress".into(),
+        Ok(Begin::Replay(r)) => format!("replay of {}", r.status),
+        Ok(Begin::CompletedWithoutBody) => "completed without stored response: 409".into(),
+        Ok(Begin::Mismatch) => "fingerprint mismatch: 422".into(),
+        Ok(Begin::Full) => "store full: 503".into(),
+        Err(e) => format!("store error {e:?}: 503"),
     }
 }

@@ -9,27 +9,30 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use super::http::Stream;
-use super::{host, send_stored, Call, Vm};
+use super::{describe, host, judge, send_stored, Call, Job, Owned, Verdict, Vm, Waiter};
 use crate::config::{Config, Forward};
-use crate::engine::{Finish, Layout, Table};
+use crate::engine::{Finish, Held, Layout, Table};
 use crate::entry::StoredResponse;
 use crate::metrics::Counter;
 use crate::problem::Problem;
 
-/// Timer period: fast enough for renewal and retries; renewal itself is throttled.
+/// Timer period: fast enough for renewal and retries; renewal itself is throttled. Wait mode
+/// polls held requests on the same timer, so it wants a faster one (SPEC §4).
 const TICK: Duration = Duration::from_millis(50);
-/// Buckets swept per tick and VM: a 1,024-bucket table is swept about every 2.5 s per worker.
-const SWEEP_PER_TICK: u32 = 20;
+const WAIT_TICK: Duration = Duration::from_millis(20);
+/// Buckets swept per second and VM: a 1,024-bucket table is swept every 2.5 s per worker.
+const SWEEP_PER_SECOND: u64 = 400;
 
 pub struct Root {
     id: u32,
     vm: Option<Rc<Vm>>,
     sweep_cursor: u32,
+    sweep_per_tick: u32,
 }
 
 impl Root {
     pub fn new(id: u32) -> Root {
-        Root { id, vm: None, sweep_cursor: 0 }
+        Root { id, vm: None, sweep_cursor: 0, sweep_per_tick: 1 }
     }
 }
 
@@ -71,7 +74,8 @@ impl RootContext for Root {
             }
         }
         let vm = Rc::new(Vm::new(config, table));
-        if vm.config.forward == Forward::Detached {
+        let detached = std::iter::once(&vm.config.policy).chain(vm.config.rules.iter().map(|r| &r.policy)).any(|p| p.forward == Forward::Detached);
+        if detached {
             // One queue per VM, under a name no other VM uses: the last VM to register a name
             // receives all its notifications (SPEC §4).
             let mut h = RandomState::new().build_hasher();
@@ -86,20 +90,23 @@ impl RootContext for Root {
             }
         }
         self.sweep_cursor = (RandomState::new().build_hasher().finish() % u64::from(vm.table.layout().buckets())) as u32;
+        let tick = if vm.waits() { WAIT_TICK } else { TICK };
+        self.sweep_per_tick = (SWEEP_PER_SECOND * tick.as_millis() as u64 / 1000).max(1) as u32;
         self.vm = Some(vm);
-        host::set_tick(TICK);
+        host::set_tick(tick);
         true
     }
 
     fn on_tick(&mut self) {
         let Some(vm) = self.vm.clone() else { return };
         let now = vm.now_ms();
+        poll_waiters(&vm, now);
         renew(&vm, now);
         vm.retry_pending();
         let buckets = vm.table.layout().buckets();
-        for _ in 0..SWEEP_PER_TICK.min(buckets) {
+        for _ in 0..self.sweep_per_tick.min(buckets) {
             match vm.table.sweep(self.sweep_cursor, now) {
-                Ok(swept) => vm.held(crate::engine::Held { in_progress: -swept.freed.in_progress, completed: -swept.freed.completed }),
+                Ok(swept) => vm.held(Held { in_progress: -swept.freed.in_progress, completed: -swept.freed.completed }),
                 Err(e) => log::debug!("sweep of bucket {} failed: {e:?}", self.sweep_cursor),
             }
             self.sweep_cursor = (self.sweep_cursor + 1) % buckets;
@@ -125,18 +132,18 @@ impl RootContext for Root {
 
 /// Renews the marks of live owners: router streams still open and detached calls in flight.
 fn renew(vm: &Vm, now: u64) {
-    let lease = vm.config.lease_ms;
-    let due = |renewed: u64| now.saturating_sub(renewed) >= lease / 4;
+    let lease = |policy: usize| vm.policy(policy).lease_ms;
+    let due = |renewed: u64, policy: usize| now.saturating_sub(renewed) >= lease(policy) / 4;
     let tickets: Vec<_> = vm
         .owners
         .borrow()
         .iter()
-        .filter(|(_, o)| due(o.renewed_ms))
-        .map(|(id, o)| (Some(*id), None, o.ticket))
-        .chain(vm.calls.borrow().iter().filter(|(_, c)| due(c.renewed_ms)).map(|(t, c)| (None, Some(*t), c.ticket)))
+        .filter(|(_, o)| due(o.renewed_ms, o.policy))
+        .map(|(id, o)| (Some(*id), None, o.ticket, o.policy))
+        .chain(vm.calls.borrow().iter().filter(|(_, c)| due(c.renewed_ms, c.policy)).map(|(t, c)| (None, Some(*t), c.ticket, c.policy)))
         .collect();
-    for (owner, call, ticket) in tickets {
-        let result = vm.table.renew(&ticket, now, lease);
+    for (owner, call, ticket, policy) in tickets {
+        let result = vm.table.renew(&ticket, now, lease(policy));
         if let Err(e) = result {
             log::warn!("renewal failed: {e:?}");
             continue;
@@ -163,19 +170,21 @@ fn renew(vm: &Vm, now: u64) {
 fn dispatch_outbox(vm: &Vm) {
     loop {
         let Some(job) = vm.outbox.borrow_mut().pop_front() else { return };
-        let headers: Vec<(&str, &str)> = job.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-        let timeout = Duration::from_millis(vm.config.upstream_timeout_ms);
-        match host::dispatch(&job.cluster, headers, &job.body, timeout) {
+        let request = &job.request;
+        let headers: Vec<(&str, &str)> = request.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        let policy = vm.policy(job.policy);
+        let timeout = Duration::from_millis(policy.upstream_timeout_ms);
+        match host::dispatch(&request.cluster, headers, &request.body, timeout) {
             Ok(token) => {
-                let call = Call { context_id: job.context_id, ticket: job.ticket, renewed_ms: vm.now_ms() };
+                let call = Call { context_id: job.context_id, policy: job.policy, ticket: job.ticket, renewed_ms: vm.now_ms() };
                 vm.calls.borrow_mut().insert(token, call);
             }
             Err(status) => {
                 // No healthy host, unknown cluster: nothing was sent.
-                log::warn!("dispatch to cluster {:?} failed: {status:?}", job.cluster);
+                log::warn!("dispatch to cluster {:?} failed: {status:?}", request.cluster);
                 vm.release(&job.ticket);
                 vm.count(Counter::UpstreamFailed);
-                let p = Problem::upstream_failed(503, "No upstream host could take the request", vm.config.retry_after_s);
+                let p = Problem::upstream_failed(503, "No upstream host could take the request", policy.retry_after_s);
                 answer_client(vm, job.context_id, |vm| vm.reply_problem(&p));
             }
         }
@@ -219,20 +228,21 @@ fn on_call_answer(vm: &Vm, token: u32, num_headers: usize, body_size: usize) {
     let Some(call) = vm.calls.borrow_mut().remove(&token) else { return };
     let headers = if num_headers == 0 { Vec::new() } else { host::call_response_headers() };
     let body = host::call_response_body(body_size);
+    let policy = vm.policy(call.policy);
     match classify(headers, body) {
         Answer::NoAnswer { status, reason } => {
             log::debug!("detached call for slot {} got no answer ({status}): released", call.ticket.slot);
             vm.release(&call.ticket);
             vm.count(Counter::UpstreamFailed);
-            let p = Problem::upstream_failed(status, reason, vm.config.retry_after_s);
+            let p = Problem::upstream_failed(status, reason, policy.retry_after_s);
             answer_client(vm, call.context_id, |vm| vm.reply_problem(&p));
         }
         Answer::Upstream(response) => {
-            if vm.config.release_statuses.contains(response.status) {
+            if policy.release_statuses.contains(response.status) {
                 vm.release(&call.ticket);
             } else {
-                let keep = response.body.len() <= vm.config.max_response_bytes;
-                vm.complete(&call.ticket, keep.then(|| response.clone()));
+                let keep = response.body.len() <= policy.max_response_bytes;
+                vm.complete(call.policy, &call.ticket, keep.then(|| response.clone()));
             }
             answer_client(vm, call.context_id, |_| send_stored(&response, false));
         }
@@ -248,5 +258,83 @@ fn answer_client(vm: &Vm, context_id: u32, send: impl FnOnce(&Vm)) {
     }
     if host::set_effective_context(context_id) {
         send(vm);
+    }
+}
+
+/// Wait mode: looks at the entry of every held request. One table read per distinct request
+/// per tick; the first waiter of a key that finds it free becomes the owner (SPEC §3.3).
+fn poll_waiters(vm: &Vm, now: u64) {
+    let waiters = std::mem::take(&mut *vm.waiters.borrow_mut());
+    if waiters.is_empty() {
+        return;
+    }
+    let mut keep = Vec::with_capacity(waiters.len());
+    // Requests already looked at in this tick, with what they found (claims excepted).
+    let mut seen: Vec<(crate::key::StoreKey, crate::fingerprint::Fingerprint, Option<Verdict>)> = Vec::new();
+    for w in waiters {
+        if !vm.live.borrow().contains(&w.context_id) {
+            continue; // the client left: drop it, nothing to release
+        }
+        let policy = vm.policy(w.policy);
+        let known = seen.iter().position(|(k, f, _)| *k == w.key && *f == w.fingerprint);
+        let verdict = match known.and_then(|i| seen.get(i)) {
+            // Another waiter of this request claimed it in this tick: keep waiting for it.
+            Some((_, _, None)) => Verdict::InProgress,
+            Some((_, _, Some(v))) => clone_verdict(v),
+            None => {
+                let begin = vm.table.begin(&w.key, &w.fingerprint, now, policy.lease_ms);
+                if !matches!(begin, Ok(crate::engine::Begin::InProgress)) {
+                    log::debug!("waiter {} key {} -> {}", w.context_id, w.key.short(), describe(&begin));
+                }
+                let v = judge(vm, policy, begin);
+                let memo = if matches!(v, Verdict::Claimed(_)) { None } else { Some(clone_verdict(&v)) };
+                seen.push((w.key, w.fingerprint, memo));
+                v
+            }
+        };
+        match verdict {
+            Verdict::InProgress if now < w.deadline_ms => keep.push(w),
+            Verdict::InProgress => {
+                vm.count(Counter::Conflict);
+                let p = Problem::in_progress(policy.retry_after_s);
+                answer_client(vm, w.context_id, |vm| vm.reply_problem(&p));
+            }
+            Verdict::Claimed(ticket) => promote(vm, w, ticket, now),
+            Verdict::Replay(response) => answer_client(vm, w.context_id, |_| send_stored(&response, true)),
+            Verdict::Problem(p) => answer_client(vm, w.context_id, |vm| vm.reply_problem(&p)),
+        }
+    }
+    // Requests that started waiting during this tick queue behind the older ones.
+    let mut waiting = vm.waiters.borrow_mut();
+    let newer = std::mem::replace(&mut *waiting, keep);
+    waiting.extend(newer);
+}
+
+fn clone_verdict(v: &Verdict) -> Verdict {
+    match v {
+        Verdict::Claimed(t) => Verdict::Claimed(*t),
+        Verdict::InProgress => Verdict::InProgress,
+        Verdict::Replay(r) => Verdict::Replay(r.clone()),
+        Verdict::Problem(p) => Verdict::Problem(p.clone()),
+    }
+}
+
+/// A waiter becomes the first call: the root sends it (detached) or resumes it into the
+/// router, handing it the ticket through the VM's handoff map.
+fn promote(vm: &Vm, w: Waiter, ticket: crate::engine::Ticket, now: u64) {
+    match w.outbound {
+        Some(request) => {
+            vm.outbox.borrow_mut().push_back(Job { context_id: w.context_id, policy: w.policy, ticket, request });
+            dispatch_outbox(vm);
+        }
+        None => {
+            vm.owners.borrow_mut().insert(w.context_id, Owned { policy: w.policy, ticket, renewed_ms: now });
+            vm.handoff.borrow_mut().insert(w.context_id, (w.policy, ticket));
+            if !(host::set_effective_context(w.context_id) && host::resume_request()) {
+                vm.owners.borrow_mut().remove(&w.context_id);
+                vm.handoff.borrow_mut().remove(&w.context_id);
+                vm.release(&ticket);
+            }
+        }
     }
 }
