@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: build run test unit e2e lint setup clean
+.PHONY: build run test unit e2e lint setup clean fuzz
 
 build: $(WASM)
 
@@ -29,8 +29,18 @@ $(VENV)/.ready: tests/requirements.txt
 run: build setup
 	$(PY) envoy/demo.py
 
+# The core's tests and the fuzz corpora replayed as regression tests (stable Rust).
 unit:
-	cargo test --lib
+	cargo test --lib --test corpus_replay
+
+# Runs each fuzz target for FUZZ_SECONDS (needs nightly and cargo-fuzz); new inputs land in
+# fuzz/corpus/<target>/ and are replayed by `make unit`.
+FUZZ_SECONDS ?= 600
+FUZZ_TARGETS := config key entry
+fuzz:
+	@for t in $(FUZZ_TARGETS); do \
+	  cargo +nightly fuzz run $$t fuzz/corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -max_len=65536 || exit 1; \
+	done
 
 lint:
 	cargo clippy --lib --tests -- -D warnings

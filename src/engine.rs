@@ -220,6 +220,10 @@ impl<S: SharedKv> Table<S> {
         &self.layout
     }
 
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
     /// Creates every key of the table unless it exists. Run by the base VM before any worker
     /// serves (SPEC §4), so no claim ever meets a missing key. Returns whether it created them.
     pub fn create(&self) -> Result<bool, StoreError> {

@@ -8,6 +8,7 @@ pub mod config;
 pub mod engine;
 pub mod entry;
 pub mod fingerprint;
+pub mod fuzzing;
 pub mod key;
 pub mod metrics;
 pub mod problem;

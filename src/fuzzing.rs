@@ -1,0 +1,62 @@
+//! Entry points shared by the fuzz targets (`fuzz/`) and the corpus replay test, so both feed
+//! untrusted bytes to exactly the same parsers. Each must return normally on any input.
+
+use crate::config::Config;
+use crate::engine::{decide, Layout, Table};
+use crate::entry::{decode_response, encode_response, response_stamp, Bucket};
+use crate::fingerprint::Fingerprint;
+use crate::key::{parse_key, StoreKey};
+use crate::store::memory::MemoryKv;
+use crate::store::SharedKv;
+
+/// The plugin configuration: parse, and if accepted, look up a policy.
+pub fn config(data: &[u8]) {
+    if let Ok(c) = Config::parse(data) {
+        let i = c.policy_for(b"/payments/1?x", b"POST", Some(b"route"));
+        let _ = c.policy(i);
+    }
+}
+
+/// A key header value: parse it with a few limits and derive its store key.
+pub fn key(data: &[u8]) {
+    for max in [1, 16, 255] {
+        if let Ok(k) = parse_key(data, max) {
+            assert!(!k.is_empty() && k.len() <= max);
+            let _ = StoreKey::derive("ns", b"host", &[Some(data), None], &k);
+        }
+    }
+}
+
+/// A store value: decode it as a bucket and as a response; plant it in a table and use it.
+pub fn entry(data: &[u8]) {
+    if let Ok(bucket) = Bucket::decode(data.to_vec()) {
+        let _ = decide(&bucket, &[0; 16], &Fingerprint::default(), 1);
+    }
+    if let Ok((gen, key, response)) = decode_response(data) {
+        assert_eq!(response_stamp(data).ok(), Some((gen, key)));
+        assert_eq!(encode_response(gen, &key, &response), data);
+    }
+    // A foreign value in a bucket key and in every data key of a one-bucket table.
+    let table = Table::new(MemoryKv::new(), Layout::new("f", 1));
+    if table.create().is_err() {
+        return;
+    }
+    let kv = table.store();
+    let _ = kv.set("f:1:b0", data, None);
+    let k = StoreKey::derive("f", b"h", &[], b"k");
+    let _ = table.begin(&k, &Fingerprint::default(), 1, 10);
+    let _ = table.sweep(0, u64::MAX);
+
+    // A completed entry whose response was replaced by a foreign value.
+    let table = Table::new(MemoryKv::new(), Layout::new("g", 1));
+    if table.create().is_err() {
+        return;
+    }
+    if let Ok(crate::engine::Begin::Claimed { ticket, .. }) = table.begin(&k, &Fingerprint::default(), 1, 10) {
+        let response = crate::entry::StoredResponse { status: 200, headers: vec![], body: b"ok".to_vec() };
+        let _ = table.complete(&ticket, Some(&response), 1, 100);
+        let _ = table.store().set(&format!("g:1:d{}", ticket.slot), data, None);
+        let _ = table.begin(&k, &Fingerprint::default(), 2, 10);
+        let _ = table.release(&ticket);
+    }
+}
