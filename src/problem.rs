@@ -80,6 +80,18 @@ impl Problem {
         Problem::new(status, "upstream-failed", title, format!("{reason}; the Idempotency-Key was released and the request may be retried."), Some(retry_after_s))
     }
 
+    /// The Envoy filter config lacks `allow_on_headers_stop_iteration: true`: bodies never
+    /// reach the plugin, so it cannot fingerprint or forward them.
+    pub fn body_unavailable() -> Problem {
+        Problem::new(
+            500,
+            "misconfigured",
+            "The idempotency filter cannot read request bodies",
+            "The gateway's Wasm filter must set allow_on_headers_stop_iteration: true; no work was done.".into(),
+            None,
+        )
+    }
+
     fn new(status: u16, slug: &'static str, title: &'static str, detail: String, retry_after: Option<u64>) -> Problem {
         Problem { status, slug, title, detail, retry_after }
     }

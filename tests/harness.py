@@ -395,11 +395,13 @@ def wasm_filter(plugin_config, *, vm_id="idempotency", wasm=None, name="idempote
 def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
                  route_timeout_s=15, extra_routes=None, cluster_name="upstream",
                  vm_id="idempotency", with_plugin=True, extra_clusters=None,
-                 extra_filters=None, wasm=None, buffer_limit_bytes=None):
+                 extra_filters=None, wasm=None, buffer_limit_bytes=None,
+                 allow_on_headers_stop_iteration=True):
     """The bootstrap as a dict; see envoy_yaml."""
     filters = []
     if with_plugin and plugin_config is not None:
-        filters.append(wasm_filter(plugin_config, vm_id=vm_id, wasm=wasm))
+        filters.append(wasm_filter(plugin_config, vm_id=vm_id, wasm=wasm,
+                                   allow_on_headers_stop_iteration=allow_on_headers_stop_iteration))
     filters.extend(extra_filters or [])
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})

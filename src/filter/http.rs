@@ -120,6 +120,9 @@ impl Stream {
         if end_of_stream {
             self.claim(Vec::new())
         } else {
+            if !vm.body_seen.get() {
+                vm.body_waits.borrow_mut().insert(self.id, vm.now_ms());
+            }
             Action::Pause
         }
     }
@@ -287,6 +290,7 @@ impl Context for Stream {
         self.vm.live.borrow_mut().remove(&self.id);
         self.vm.owners.borrow_mut().remove(&self.id);
         self.vm.handoff.borrow_mut().remove(&self.id);
+        self.vm.body_waits.borrow_mut().remove(&self.id);
         if let Phase::Waiting = self.phase {
             self.vm.waiters.borrow_mut().retain(|w| w.context_id != self.id);
         }
@@ -302,6 +306,9 @@ impl HttpContext for Stream {
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if !matches!(self.phase, Phase::ReadingBody(_)) {
             return Action::Continue;
+        }
+        if !self.vm.body_seen.replace(true) {
+            self.vm.body_waits.borrow_mut().clear();
         }
         let max = self.policy().max_request_body_bytes;
         if body_size > max {

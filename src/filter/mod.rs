@@ -85,6 +85,11 @@ pub struct Vm {
     /// Router-mode waiters the root promoted to owner: their stream picks the ticket up in its
     /// response callbacks (the root cannot reach the HTTP context object).
     pub handoff: RefCell<HashMap<u32, (usize, Ticket)>>,
+    /// Covered requests paused on headers, waiting for their first body callback, and since
+    /// when. Without `allow_on_headers_stop_iteration` that callback never comes (SPEC §4).
+    pub body_waits: RefCell<HashMap<u32, u64>>,
+    /// Whether this VM ever got a request body callback: then the Envoy setting is on.
+    pub body_seen: Cell<bool>,
 }
 
 impl Vm {
@@ -104,6 +109,8 @@ impl Vm {
             pending: RefCell::default(),
             waiters: RefCell::default(),
             handoff: RefCell::default(),
+            body_waits: RefCell::default(),
+            body_seen: Cell::new(false),
         }
     }
 

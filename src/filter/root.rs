@@ -100,6 +100,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         let Some(vm) = self.vm.clone() else { return };
         let now = vm.now_ms();
+        check_body_delivery(&vm, now);
         poll_waiters(&vm, now);
         renew(&vm, now);
         vm.retry_pending();
@@ -127,6 +128,33 @@ impl RootContext for Root {
 
     fn get_type(&self) -> Option<ContextType> {
         Some(ContextType::HttpContext)
+    }
+}
+
+/// How long a covered request may wait for its first body callback before we conclude that
+/// Envoy will never deliver bodies to this filter (SPEC §4).
+const BODY_WAIT_MS: u64 = 3_000;
+
+/// Without `allow_on_headers_stop_iteration: true`, pausing on headers stops body callbacks
+/// too, and the request would hang. Until this VM has seen one body callback, answer requests
+/// that waited too long with a 500 that names the setting, and log it.
+fn check_body_delivery(vm: &Vm, now: u64) {
+    if vm.body_seen.get() {
+        return;
+    }
+    let stuck: Vec<u32> = vm
+        .body_waits
+        .borrow()
+        .iter()
+        .filter(|(_, since)| now.saturating_sub(**since) >= BODY_WAIT_MS)
+        .map(|(id, _)| *id)
+        .collect();
+    for id in stuck {
+        vm.body_waits.borrow_mut().remove(&id);
+        log::error!(
+            "no request body reached the plugin within {BODY_WAIT_MS} ms: set allow_on_headers_stop_iteration: true in the Wasm filter's config"
+        );
+        answer_client(vm, id, |vm| vm.reply_problem(&Problem::body_unavailable()));
     }
 }
 
