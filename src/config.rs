@@ -40,6 +40,26 @@ impl StatusSet {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StoreConfig {
     SharedData,
+    Etcd(EtcdConfig),
+}
+
+/// What to do with a covered request when etcd does not answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnUnavailable {
+    /// 503 problem+json, retryable: no work is done.
+    Reject,
+    /// Forward it without idempotency (counted and logged).
+    Pass,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdConfig {
+    /// The Envoy cluster that reaches etcd's HTTP/1.1 JSON gateway.
+    pub cluster: String,
+    /// The `:authority` of requests to etcd.
+    pub authority: String,
+    pub timeout_ms: u64,
+    pub on_unavailable: OnUnavailable,
 }
 
 /// A JWT claim verified by Envoy's `jwt_authn` filter, read from its dynamic metadata
@@ -361,6 +381,33 @@ fn jwt_claim(f: &str, v: &Value) -> Result<Option<JwtClaim>, ConfigError> {
     }
 }
 
+fn etcd(f: &str, map: &serde_json::Map<String, Value>) -> Result<StoreConfig, ConfigError> {
+    let mut cluster = None;
+    let mut authority = None;
+    let mut timeout_ms = 1_000;
+    let mut on_unavailable = OnUnavailable::Reject;
+    for (name, v) in map {
+        let field = format!("{f}.{name}");
+        match name.as_str() {
+            "kind" => {}
+            "cluster" => cluster = Some(string(&field, v)?.to_string()).filter(|c| !c.is_empty()),
+            "authority" => authority = Some(string(&field, v)?.to_string()),
+            "timeout_ms" => timeout_ms = int(&field, v, 1, 60_000)?,
+            "on_unavailable" => {
+                on_unavailable = match string(&field, v)? {
+                    "reject" => OnUnavailable::Reject,
+                    "pass" => OnUnavailable::Pass,
+                    other => return Err(err(&field, format!("expected \"reject\" or \"pass\", got {other:?}"))),
+                }
+            }
+            _ => return Err(err(&field, "unknown field for store kind \"etcd\"")),
+        }
+    }
+    let cluster = cluster.ok_or_else(|| err(&format!("{f}.cluster"), "missing: the Envoy cluster that reaches etcd"))?;
+    let authority = authority.unwrap_or_else(|| cluster.clone());
+    Ok(StoreConfig::Etcd(EtcdConfig { cluster, authority, timeout_ms, on_unavailable }))
+}
+
 fn boolean(f: &str, v: &Value) -> Result<bool, ConfigError> {
     v.as_bool().ok_or_else(|| err(f, format!("expected true or false, got {v}")))
 }
@@ -471,7 +518,7 @@ fn store(f: &str, v: &Value) -> Result<StoreConfig, ConfigError> {
             }
             Ok(StoreConfig::SharedData)
         }
-        "etcd" => Err(err(&kind_field, "\"etcd\" is not available in this build; use \"shared_data\"")),
+        "etcd" => etcd(f, map),
         other => Err(err(&kind_field, format!("expected \"shared_data\" or \"etcd\", got {other:?}"))),
     }
 }
@@ -535,6 +582,9 @@ mod tests {
             (r#"{"store":{"kind":"redis"}}"#, "store.kind"),
             (r#"{"store":{"kind":"shared_data","x":1}}"#, "store.x"),
             (r#"{"store":{}}"#, "store.kind"),
+            (r#"{"store":{"kind":"etcd"}}"#, "store.cluster"),
+            (r#"{"store":{"kind":"etcd","cluster":"etcd","on_unavailable":"maybe"}}"#, "store.on_unavailable"),
+            (r#"{"store":{"kind":"etcd","cluster":"etcd","timeout_ms":0}}"#, "store.timeout_ms"),
             (r#"{"namespace":"a/b"}"#, "namespace"),
             (r#"{"capacity":0}"#, "capacity"),
             (r#"{"key_header":""}"#, "key_header"),
@@ -594,6 +644,15 @@ mod tests {
             let e = parse(json).unwrap_err();
             assert_eq!(e.field, field, "{json}: {e}");
         }
+    }
+
+    #[test]
+    fn etcd_store() {
+        let c = parse(r#"{"store":{"kind":"etcd","cluster":"etcd_cluster","on_unavailable":"pass"}}"#).unwrap();
+        assert_eq!(
+            c.store,
+            StoreConfig::Etcd(EtcdConfig { cluster: "etcd_cluster".into(), authority: "etcd_cluster".into(), timeout_ms: 1000, on_unavailable: OnUnavailable::Pass })
+        );
     }
 
     #[test]

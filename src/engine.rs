@@ -113,21 +113,36 @@ pub fn decide(bucket: &Bucket, key: &KeyTag, fingerprint: &Fingerprint, now_ms: 
             continue;
         }
         // A live entry for this key: at most one exists, because claims are decided here.
-        if way.fingerprint != *fingerprint {
-            return Ok(Decision::Mismatch);
-        }
-        return Ok(match way.state {
-            State::InProgress => Decision::InProgress,
-            State::Completed => Decision::Completed { way: i, no_body: false },
-            State::CompletedNoBody => Decision::Completed { way: i, no_body: true },
-            State::Free => Decision::Full, // unreachable: Free was handled above
-        });
+        return Ok(judge_live(&way, i, fingerprint));
     }
     Ok(match (expired_same_key, free, reusable) {
         (Some((way, takeover)), _, _) => Decision::Claim { way, takeover },
         (None, Some(way), _) | (None, None, Some(way)) => Decision::Claim { way, takeover: false },
         (None, None, None) => Decision::Full,
     })
+}
+
+/// A live entry of the request's key: conflict, replay or mismatch.
+fn judge_live(way: &Way, index: usize, fingerprint: &Fingerprint) -> Decision {
+    if way.fingerprint != *fingerprint {
+        return Decision::Mismatch;
+    }
+    match way.state {
+        State::InProgress => Decision::InProgress,
+        State::Completed => Decision::Completed { way: index, no_body: false },
+        State::CompletedNoBody => Decision::Completed { way: index, no_body: true },
+        State::Free => Decision::Claim { way: index, takeover: false },
+    }
+}
+
+/// The decision for a store that keeps one value per key (etcd): `entry` is the key's value,
+/// if any. A claim's `way` is meaningless there (0).
+pub fn decide_entry(entry: Option<&Way>, fingerprint: &Fingerprint, now_ms: u64) -> Decision {
+    match entry {
+        Some(way) if way.is_live(now_ms) => judge_live(way, 0, fingerprint),
+        Some(way) => Decision::Claim { way: 0, takeover: way.state == State::InProgress },
+        None => Decision::Claim { way: 0, takeover: false },
+    }
 }
 
 /// Where the table's keys are and how a store key maps onto them.

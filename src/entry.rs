@@ -94,29 +94,70 @@ impl Bucket {
 
     pub fn way(&self, i: usize) -> Result<Way, Corrupt> {
         let start = BUCKET_MAGIC.len() + i * WAY_BYTES;
-        let raw = self.bytes.get(start..start + WAY_BYTES).ok_or(Corrupt("bucket: way out of range"))?;
-        let mut r = Reader(raw);
-        Ok(Way {
-            state: State::from_byte(r.u8()?).ok_or(Corrupt("bucket: unknown state"))?,
-            gen: r.u64()?,
-            key: r.array()?,
-            fingerprint: Fingerprint(r.array()?),
-            deadline_ms: r.u64()?,
-        })
+        parse_way(self.bytes.get(start..start + WAY_BYTES).ok_or(Corrupt("bucket: way out of range"))?)
     }
 
     pub fn set_way(&mut self, i: usize, way: &Way) {
         let start = BUCKET_MAGIC.len() + i * WAY_BYTES;
         if let Some(raw) = self.bytes.get_mut(start..start + WAY_BYTES) {
-            let mut w = Vec::with_capacity(WAY_BYTES);
-            w.push(way.state as u8);
-            w.extend_from_slice(&way.gen.to_le_bytes());
-            w.extend_from_slice(&way.key);
-            w.extend_from_slice(&way.fingerprint.0);
-            w.extend_from_slice(&way.deadline_ms.to_le_bytes());
-            raw.copy_from_slice(&w);
+            raw.copy_from_slice(&way_bytes(way));
         }
     }
+}
+
+fn way_bytes(way: &Way) -> Vec<u8> {
+    let mut w = Vec::with_capacity(WAY_BYTES);
+    w.push(way.state as u8);
+    w.extend_from_slice(&way.gen.to_le_bytes());
+    w.extend_from_slice(&way.key);
+    w.extend_from_slice(&way.fingerprint.0);
+    w.extend_from_slice(&way.deadline_ms.to_le_bytes());
+    w
+}
+
+fn parse_way(raw: &[u8]) -> Result<Way, Corrupt> {
+    let mut r = Reader(raw);
+    Ok(Way {
+        state: State::from_byte(r.u8()?).ok_or(Corrupt("entry: unknown state"))?,
+        gen: r.u64()?,
+        key: r.array()?,
+        fingerprint: Fingerprint(r.array()?),
+        deadline_ms: r.u64()?,
+    })
+}
+
+const ENTRY_MAGIC: [u8; 2] = [b'E', 1];
+
+/// One entry as a value of its own (the etcd store): its header, then the stored response when
+/// it is completed with one.
+pub fn encode_entry(way: &Way, response: Option<&StoredResponse>) -> Vec<u8> {
+    let mut out = ENTRY_MAGIC.to_vec();
+    out.extend_from_slice(&way_bytes(way));
+    if let Some(r) = response {
+        out.extend_from_slice(&encode_response(way.gen, &way.key, r));
+    }
+    out
+}
+
+pub fn decode_entry(bytes: &[u8]) -> Result<(Way, Option<StoredResponse>), Corrupt> {
+    if bytes.get(..2) != Some(&ENTRY_MAGIC[..]) {
+        return Err(Corrupt("entry: wrong magic"));
+    }
+    let raw = bytes.get(2..2 + WAY_BYTES).ok_or(Corrupt("entry: truncated"))?;
+    let way = parse_way(raw)?;
+    let rest = bytes.get(2 + WAY_BYTES..).unwrap_or_default();
+    let response = match (way.state, rest.is_empty()) {
+        (State::Completed, false) => {
+            let (gen, key, r) = decode_response(rest)?;
+            if gen != way.gen || key != way.key {
+                return Err(Corrupt("entry: response stamp differs"));
+            }
+            Some(r)
+        }
+        (_, true) if way.state != State::Completed => None,
+        _ => return Err(Corrupt("entry: response does not match state")),
+    };
+    Ok((way, response))
 }
 
 /// A response as replayed: status, headers in order (repeats kept), body.
@@ -247,6 +288,22 @@ mod tests {
         let bytes = encode_response(42, &[5; 16], &resp);
         assert_eq!(response_stamp(&bytes).unwrap(), (42, [5; 16]));
         assert_eq!(decode_response(&bytes).unwrap(), (42, [5; 16], resp));
+    }
+
+    #[test]
+    fn entry_round_trip_and_consistency() {
+        let way = Way { state: State::Completed, gen: 9, key: [1; 16], fingerprint: Fingerprint([2; 16]), deadline_ms: 5 };
+        let resp = StoredResponse { status: 201, headers: vec![("a".into(), b"b".to_vec())], body: b"x".to_vec() };
+        let bytes = encode_entry(&way, Some(&resp));
+        assert_eq!(decode_entry(&bytes).unwrap(), (way, Some(resp.clone())));
+        let mark = Way { state: State::InProgress, ..way };
+        assert_eq!(decode_entry(&encode_entry(&mark, None)).unwrap(), (mark, None));
+        // A completed entry must carry its response; a mark must not.
+        assert!(decode_entry(&encode_entry(&way, None)).is_err());
+        assert!(decode_entry(&encode_entry(&mark, Some(&resp))).is_err());
+        for n in 0..bytes.len() {
+            assert!(decode_entry(&bytes[..n]).is_err(), "prefix {n}");
+        }
     }
 
     #[test]

@@ -6,9 +6,8 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::rc::Rc;
 
-use super::{describe, host, judge, send_stored, Job, Outbound, Owned, Verdict, Vm, Waiter};
+use super::{describe, host, judge, send_stored, Job, Outbound, Owned, Owner, Verdict, Vm, Waiter};
 use crate::config::{Forward, OnConflict, Policy};
-use crate::engine::Ticket;
 use crate::entry::StoredResponse;
 use crate::fingerprint::FingerprintBuilder;
 use crate::key::{parse_key, StoreKey};
@@ -29,10 +28,11 @@ enum Phase {
     /// Covered: waiting for the whole body before the claim.
     ReadingBody(Box<Pending>),
     /// Router forwarding: we own the key and watch the upstream's answer.
-    Owner { ticket: Ticket, capture: Option<Capture> },
+    Owner { owner: Owner, capture: Option<Capture> },
     /// Detached forwarding: the root sends the request and answers us.
     Detached,
-    /// Held by the root until the first call's outcome is known.
+    /// Held by the root: until the first call's outcome is known (wait mode), or until the
+    /// store answers (etcd).
     Waiting,
     /// We answered locally; our own reply passes through our response callbacks.
     Replied,
@@ -140,13 +140,34 @@ impl Stream {
         }
         let fingerprint = fingerprint.finish();
         let now = vm.now_ms();
+        let outbound = detached.map(|(cluster, headers)| Outbound { cluster, headers, body });
+        if vm.etcd.is_some() {
+            // The fleet store answers asynchronously: the root resumes or answers us.
+            let mut tag = [0u8; 16];
+            tag.copy_from_slice(key.0.get(8..24).unwrap_or(&[0u8; 16]));
+            let name = crate::store::etcd::key_name(&vm.config.namespace, &key.0);
+            let req = super::etcd::ClaimReq {
+                context_id: self.id,
+                policy: self.policy,
+                key: name,
+                tag,
+                fingerprint,
+                outbound,
+                wait_deadline: None,
+                next_poll_ms: 0,
+                attempts: 0,
+                takeover: None,
+            };
+            super::etcd::submit_claim(&vm, req);
+            self.phase = Phase::Waiting;
+            return Action::Pause;
+        }
         let begin = vm.table.begin(&key, &fingerprint, now, policy.lease_ms);
         log::debug!("key {} -> {}", key.short(), describe(&begin));
-        let outbound = detached.map(|(cluster, headers)| Outbound { cluster, headers, body });
         match judge(&vm, policy, begin) {
-            Verdict::Claimed(ticket) => match (outbound, vm.queue_id.get()) {
+            Verdict::Claimed(owner) => match (outbound, vm.queue_id.get()) {
                 (Some(request), Some(queue)) => {
-                    vm.outbox.borrow_mut().push_back(Job { context_id: self.id, policy: self.policy, ticket, request });
+                    vm.outbox.borrow_mut().push_back(Job { context_id: self.id, policy: self.policy, owner: Some(owner), request });
                     if !host::enqueue(queue) {
                         log::warn!("enqueue failed; the job waits for the next queue event");
                     }
@@ -154,8 +175,8 @@ impl Stream {
                     Action::Pause
                 }
                 _ => {
-                    vm.owners.borrow_mut().insert(self.id, Owned { policy: self.policy, ticket, renewed_ms: now });
-                    self.phase = Phase::Owner { ticket, capture: None };
+                    vm.owners.borrow_mut().insert(self.id, Owned { policy: self.policy, owner, renewed_ms: now });
+                    self.phase = Phase::Owner { owner, capture: None };
                     Action::Continue
                 }
             },
@@ -186,11 +207,12 @@ impl Stream {
     fn on_owner_response_headers(&mut self, end_of_stream: bool) {
         if let Phase::Waiting = self.phase {
             // A waiter the root promoted to owner and resumed (router forwarding).
-            if let Some((_, ticket)) = self.vm.handoff.borrow_mut().remove(&self.id) {
-                self.phase = Phase::Owner { ticket, capture: None };
+            let handed = self.vm.handoff.borrow_mut().remove(&self.id);
+            if let Some(owner) = handed {
+                self.phase = Phase::Owner { owner, capture: None };
             }
         }
-        let Phase::Owner { ticket, capture: None } = self.phase else { return };
+        let Phase::Owner { owner, capture: None } = self.phase else { return };
         let vm = self.vm.clone();
         let headers = host::response_headers();
         let status = headers
@@ -206,12 +228,12 @@ impl Stream {
                 vm.count(Counter::UpstreamFailed);
             }
             vm.owners.borrow_mut().remove(&self.id);
-            vm.release(&ticket);
+            vm.release(&owner);
             self.phase = Phase::Pass;
             return;
         }
         let headers = headers.into_iter().filter(|(n, _)| !super::is_hop_by_hop(n)).collect();
-        self.phase = Phase::Owner { ticket, capture: Some(Capture { status, headers, body: Vec::new(), too_large: false }) };
+        self.phase = Phase::Owner { owner, capture: Some(Capture { status, headers, body: Vec::new(), too_large: false }) };
         if end_of_stream {
             self.finish_capture();
         }
@@ -237,10 +259,10 @@ impl Stream {
     }
 
     fn finish_capture(&mut self) {
-        let Phase::Owner { ticket, capture: Some(c) } = std::mem::replace(&mut self.phase, Phase::Pass) else { return };
+        let Phase::Owner { owner, capture: Some(c) } = std::mem::replace(&mut self.phase, Phase::Pass) else { return };
         self.vm.owners.borrow_mut().remove(&self.id);
         let response = (!c.too_large).then_some(StoredResponse { status: c.status, headers: c.headers, body: c.body });
-        self.vm.complete(self.policy, &ticket, response);
+        self.vm.complete(self.policy, &owner, response);
     }
 }
 

@@ -3,6 +3,7 @@
 //! contexts share (they run on one thread; borrows never span a host call, because a local
 //! reply can re-enter the plugin).
 
+mod etcd;
 mod host;
 mod http;
 mod root;
@@ -20,6 +21,14 @@ use crate::problem::Problem;
 
 pub use root::Root;
 
+/// Proof of ownership of a key, in the store that holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    Table(Ticket),
+    /// An etcd claim: its state lives in the VM's etcd owners, under this id.
+    Etcd(u64),
+}
+
 /// A request as the root sends it upstream itself (detached forwarding).
 #[derive(Clone)]
 pub struct Outbound {
@@ -32,7 +41,8 @@ pub struct Outbound {
 pub struct Job {
     pub context_id: u32,
     pub policy: usize,
-    pub ticket: Ticket,
+    /// `None`: forwarded without a claim (etcd unavailable, `on_unavailable: "pass"`).
+    pub owner: Option<Owner>,
     pub request: Outbound,
 }
 
@@ -40,14 +50,14 @@ pub struct Job {
 pub struct Call {
     pub context_id: u32,
     pub policy: usize,
-    pub ticket: Ticket,
+    pub owner: Option<Owner>,
     pub renewed_ms: u64,
 }
 
 /// A router-mode owner whose mark is renewed while its stream lives.
 pub struct Owned {
     pub policy: usize,
-    pub ticket: Ticket,
+    pub owner: Owner,
     pub renewed_ms: u64,
 }
 
@@ -84,12 +94,14 @@ pub struct Vm {
     pub waiters: RefCell<Vec<Waiter>>,
     /// Router-mode waiters the root promoted to owner: their stream picks the ticket up in its
     /// response callbacks (the root cannot reach the HTTP context object).
-    pub handoff: RefCell<HashMap<u32, (usize, Ticket)>>,
+    pub handoff: RefCell<HashMap<u32, Owner>>,
     /// Covered requests paused on headers, waiting for their first body callback, and since
     /// when. Without `allow_on_headers_stop_iteration` that callback never comes (SPEC §4).
     pub body_waits: RefCell<HashMap<u32, u64>>,
     /// Whether this VM ever got a request body callback: then the Envoy setting is on.
     pub body_seen: Cell<bool>,
+    /// The etcd store's state, when the store is etcd.
+    pub etcd: Option<RefCell<etcd::Etcd>>,
 }
 
 impl Vm {
@@ -111,6 +123,7 @@ impl Vm {
             handoff: RefCell::default(),
             body_waits: RefCell::default(),
             body_seen: Cell::new(false),
+            etcd: None,
         }
     }
 
@@ -136,8 +149,31 @@ impl Vm {
         host::now_ms()
     }
 
+    /// Wakes the root (its `on_queue_ready`) to send work queued by an HTTP context.
+    pub fn kick(&self) {
+        if let Some(queue) = self.queue_id.get() {
+            host::enqueue(queue);
+        }
+    }
+
     /// The owner's upstream call ended without an answer, or with a status that releases.
-    pub fn release(&self, ticket: &Ticket) {
+    pub fn release(&self, owner: &Owner) {
+        match owner {
+            Owner::Table(ticket) => self.release_ticket(ticket),
+            Owner::Etcd(id) => etcd::end(self, *id, etcd::Ending::Release),
+        }
+    }
+
+    /// The upstream answered with a status that completes the key. `response` is `None` when
+    /// it was larger than `max_response_bytes`.
+    pub fn complete(&self, policy: usize, owner: &Owner, response: Option<StoredResponse>) {
+        match owner {
+            Owner::Table(ticket) => self.complete_ticket(policy, ticket, response),
+            Owner::Etcd(id) => etcd::end(self, *id, etcd::Ending::Complete(response)),
+        }
+    }
+
+    fn release_ticket(&self, ticket: &Ticket) {
         match self.table.release(ticket) {
             Ok(Finish::Done) => {
                 self.count(Counter::Released);
@@ -152,9 +188,7 @@ impl Vm {
         }
     }
 
-    /// The upstream answered with a status that completes the key. `response` is `None` when
-    /// it was larger than `max_response_bytes`.
-    pub fn complete(&self, policy: usize, ticket: &Ticket, response: Option<StoredResponse>) {
+    fn complete_ticket(&self, policy: usize, ticket: &Ticket, response: Option<StoredResponse>) {
         let now = self.now_ms();
         let retention_ms = self.policy(policy).retention_s * 1000;
         match self.table.complete(ticket, response.as_ref(), now, retention_ms) {
@@ -182,7 +216,7 @@ impl Vm {
         let pending = std::mem::take(&mut *self.pending.borrow_mut());
         for write in pending {
             match write {
-                PendingWrite::Release { ticket } => self.release(&ticket),
+                PendingWrite::Release { ticket } => self.release_ticket(&ticket),
                 PendingWrite::Complete { ticket, response, now_ms, retention_ms } => {
                     match self.table.complete(&ticket, response.as_ref(), now_ms, retention_ms) {
                         Ok(Finish::Done) => {
@@ -244,7 +278,7 @@ pub fn send_stored(response: &StoredResponse, replayed: bool) {
 
 /// What a request is told, from the table's answer (SPEC §3.3–3.6).
 pub enum Verdict {
-    Claimed(Ticket),
+    Claimed(Owner),
     /// Same fingerprint, in progress: 409, or wait.
     InProgress,
     Replay(StoredResponse),
@@ -261,7 +295,7 @@ pub fn judge(vm: &Vm, policy: &Policy, begin: Result<crate::engine::Begin, Store
                 vm.count(Counter::ExpiredTakeover);
             }
             vm.held(Held::of(State::InProgress, 1).plus(Held::of(evicted, -1)));
-            Verdict::Claimed(ticket)
+            Verdict::Claimed(Owner::Table(ticket))
         }
         Ok(Begin::InProgress) => Verdict::InProgress,
         Ok(Begin::Replay(response)) => {

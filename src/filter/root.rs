@@ -9,8 +9,8 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use super::http::Stream;
-use super::{describe, host, judge, send_stored, Call, Job, Owned, Verdict, Vm, Waiter};
-use crate::config::{Config, Forward};
+use super::{describe, etcd, host, judge, send_stored, Call, Job, Owned, Owner, Verdict, Vm};
+use crate::config::{Config, Forward, StoreConfig};
 use crate::engine::{Finish, Held, Layout, Table};
 use crate::entry::StoredResponse;
 use crate::metrics::Counter;
@@ -59,8 +59,12 @@ impl RootContext for Root {
         };
         let table = Table::new(host::SharedData, Layout::new(&config.namespace, config.capacity));
         // The base VM runs this first, before any worker VM exists (SPEC §4): it creates the
-        // table; workers find it and write nothing.
-        match table.create() {
+        // table; workers find it and write nothing. The etcd store needs no table.
+        let created = match config.store {
+            StoreConfig::SharedData => table.create(),
+            StoreConfig::Etcd(_) => Ok(false),
+        };
+        match created {
             Ok(true) => log::info!(
                 "idempotency: created a table of {} entries ({} buckets) in namespace {:?}",
                 table.layout().entries(),
@@ -73,9 +77,14 @@ impl RootContext for Root {
                 return false;
             }
         }
-        let vm = Rc::new(Vm::new(config, table));
+        let mut vm = Vm::new(config, table);
+        if let StoreConfig::Etcd(cfg) = &vm.config.store {
+            let max_lease = std::iter::once(&vm.config.policy).chain(vm.config.rules.iter().map(|r| &r.policy)).map(|p| p.lease_ms).max().unwrap_or(10_000);
+            vm.etcd = Some(std::cell::RefCell::new(etcd::Etcd::new(cfg.clone(), max_lease)));
+        }
+        let vm = Rc::new(vm);
         let detached = std::iter::once(&vm.config.policy).chain(vm.config.rules.iter().map(|r| &r.policy)).any(|p| p.forward == Forward::Detached);
-        if detached {
+        if detached || vm.etcd.is_some() {
             // One queue per VM, under a name no other VM uses: the last VM to register a name
             // receives all its notifications (SPEC §4).
             let mut h = RandomState::new().build_hasher();
@@ -103,6 +112,10 @@ impl RootContext for Root {
         check_body_delivery(&vm, now);
         poll_waiters(&vm, now);
         renew(&vm, now);
+        if vm.etcd.is_some() {
+            etcd::tick(&vm, now);
+            return;
+        }
         vm.retry_pending();
         let buckets = vm.table.layout().buckets();
         for _ in 0..self.sweep_per_tick.min(buckets) {
@@ -118,6 +131,7 @@ impl RootContext for Root {
         host::drain_queue(queue_id);
         if let Some(vm) = self.vm.clone() {
             dispatch_outbox(&vm);
+            etcd::pump(&vm, vm.now_ms());
         }
     }
 
@@ -162,22 +176,29 @@ fn check_body_delivery(vm: &Vm, now: u64) {
 fn renew(vm: &Vm, now: u64) {
     let lease = |policy: usize| vm.policy(policy).lease_ms;
     let due = |renewed: u64, policy: usize| now.saturating_sub(renewed) >= lease(policy) / 4;
-    let tickets: Vec<_> = vm
+    let owners: Vec<_> = vm
         .owners
         .borrow()
         .iter()
         .filter(|(_, o)| due(o.renewed_ms, o.policy))
-        .map(|(id, o)| (Some(*id), None, o.ticket, o.policy))
-        .chain(vm.calls.borrow().iter().filter(|(_, c)| due(c.renewed_ms, c.policy)).map(|(t, c)| (None, Some(*t), c.ticket, c.policy)))
+        .map(|(id, o)| (Some(*id), None, o.owner, o.policy))
+        .chain(vm.calls.borrow().iter().filter(|(_, c)| due(c.renewed_ms, c.policy)).filter_map(|(t, c)| Some((None, Some(*t), c.owner?, c.policy))))
         .collect();
-    for (owner, call, ticket, policy) in tickets {
-        let result = vm.table.renew(&ticket, now, lease(policy));
-        if let Err(e) = result {
-            log::warn!("renewal failed: {e:?}");
-            continue;
-        }
-        let lost = result == Ok(Finish::Lost);
-        if let Some(id) = owner {
+    for (stream, call, owner, policy) in owners {
+        let lost = match owner {
+            Owner::Table(ticket) => match vm.table.renew(&ticket, now, lease(policy)) {
+                Ok(finish) => finish == Finish::Lost,
+                Err(e) => {
+                    log::warn!("renewal failed: {e:?}");
+                    continue;
+                }
+            },
+            Owner::Etcd(id) => {
+                etcd::renew(vm, id, now, lease(policy));
+                false
+            }
+        };
+        if let Some(id) = stream {
             let mut owners = vm.owners.borrow_mut();
             if lost {
                 owners.remove(&id);
@@ -195,7 +216,7 @@ fn renew(vm: &Vm, now: u64) {
 
 /// Sends the queued detached calls. Runs in the root's callback, so the SDK files the answer
 /// under the root, which outlives the client's stream (SPEC §4).
-fn dispatch_outbox(vm: &Vm) {
+pub(super) fn dispatch_outbox(vm: &Vm) {
     loop {
         let Some(job) = vm.outbox.borrow_mut().pop_front() else { return };
         let request = &job.request;
@@ -204,13 +225,15 @@ fn dispatch_outbox(vm: &Vm) {
         let timeout = Duration::from_millis(policy.upstream_timeout_ms);
         match host::dispatch(&request.cluster, headers, &request.body, timeout) {
             Ok(token) => {
-                let call = Call { context_id: job.context_id, policy: job.policy, ticket: job.ticket, renewed_ms: vm.now_ms() };
+                let call = Call { context_id: job.context_id, policy: job.policy, owner: job.owner, renewed_ms: vm.now_ms() };
                 vm.calls.borrow_mut().insert(token, call);
             }
             Err(status) => {
                 // No healthy host, unknown cluster: nothing was sent.
                 log::warn!("dispatch to cluster {:?} failed: {status:?}", request.cluster);
-                vm.release(&job.ticket);
+                if let Some(owner) = &job.owner {
+                    vm.release(owner);
+                }
                 vm.count(Counter::UpstreamFailed);
                 let p = Problem::upstream_failed(503, "No upstream host could take the request", policy.retry_after_s);
                 answer_client(vm, job.context_id, |vm| vm.reply_problem(&p));
@@ -226,11 +249,12 @@ enum Answer {
     NoAnswer { status: u16, reason: &'static str },
 }
 
+fn status_of(headers: &[(String, Vec<u8>)]) -> u16 {
+    headers.iter().find(|(n, _)| n == ":status").and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok()).unwrap_or(0)
+}
+
 fn classify(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {
-    let status = headers
-        .iter()
-        .find(|(n, _)| n == ":status")
-        .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok());
+    let status = Some(status_of(&headers)).filter(|s| *s != 0);
     let Some(status) = status else {
         return Answer::NoAnswer { status: 502, reason: "The upstream connection broke before a complete answer" };
     };
@@ -253,24 +277,34 @@ fn classify(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {
 }
 
 fn on_call_answer(vm: &Vm, token: u32, num_headers: usize, body_size: usize) {
-    let Some(call) = vm.calls.borrow_mut().remove(&token) else { return };
     let headers = if num_headers == 0 { Vec::new() } else { host::call_response_headers() };
     let body = host::call_response_body(body_size);
+    if vm.etcd.is_some() {
+        let status = status_of(&headers);
+        if etcd::on_answer(vm, token, status, &body, vm.now_ms()) {
+            return;
+        }
+    }
+    let Some(call) = vm.calls.borrow_mut().remove(&token) else { return };
     let policy = vm.policy(call.policy);
     match classify(headers, body) {
         Answer::NoAnswer { status, reason } => {
-            log::debug!("detached call for slot {} got no answer ({status}): released", call.ticket.slot);
-            vm.release(&call.ticket);
+            log::debug!("detached call got no answer ({status}): released");
+            if let Some(owner) = &call.owner {
+                vm.release(owner);
+            }
             vm.count(Counter::UpstreamFailed);
             let p = Problem::upstream_failed(status, reason, policy.retry_after_s);
             answer_client(vm, call.context_id, |vm| vm.reply_problem(&p));
         }
         Answer::Upstream(response) => {
-            if policy.release_statuses.contains(response.status) {
-                vm.release(&call.ticket);
-            } else {
-                let keep = response.body.len() <= policy.max_response_bytes;
-                vm.complete(call.policy, &call.ticket, keep.then(|| response.clone()));
+            match &call.owner {
+                Some(owner) if policy.release_statuses.contains(response.status) => vm.release(owner),
+                Some(owner) => {
+                    let keep = response.body.len() <= policy.max_response_bytes;
+                    vm.complete(call.policy, owner, keep.then(|| response.clone()));
+                }
+                None => {}
             }
             answer_client(vm, call.context_id, |_| send_stored(&response, false));
         }
@@ -280,7 +314,7 @@ fn on_call_answer(vm: &Vm, token: u32, num_headers: usize, body_size: usize) {
 /// Answers a paused client if its stream is still open. The live set matters: after a reset,
 /// Envoy keeps the stream briefly and a reply to it would re-enter a context the SDK has
 /// dropped, and panic the VM (SPEC §4).
-fn answer_client(vm: &Vm, context_id: u32, send: impl FnOnce(&Vm)) {
+pub(super) fn answer_client(vm: &Vm, context_id: u32, send: impl FnOnce(&Vm)) {
     if !vm.live.borrow().contains(&context_id) {
         return;
     }
@@ -327,7 +361,7 @@ fn poll_waiters(vm: &Vm, now: u64) {
                 let p = Problem::in_progress(policy.retry_after_s);
                 answer_client(vm, w.context_id, |vm| vm.reply_problem(&p));
             }
-            Verdict::Claimed(ticket) => promote(vm, w, ticket, now),
+            Verdict::Claimed(owner) => promote(vm, w.context_id, w.policy, w.outbound, owner, now),
             Verdict::Replay(response) => answer_client(vm, w.context_id, |_| send_stored(&response, true)),
             Verdict::Problem(p) => answer_client(vm, w.context_id, |vm| vm.reply_problem(&p)),
         }
@@ -347,21 +381,39 @@ fn clone_verdict(v: &Verdict) -> Verdict {
     }
 }
 
-/// A waiter becomes the first call: the root sends it (detached) or resumes it into the
-/// router, handing it the ticket through the VM's handoff map.
-fn promote(vm: &Vm, w: Waiter, ticket: crate::engine::Ticket, now: u64) {
-    match w.outbound {
+/// A held request becomes the first call: the root sends it (detached) or resumes it into the
+/// router, handing it the ownership through the VM's handoff map.
+pub(super) fn promote(vm: &Vm, context_id: u32, policy: usize, outbound: Option<super::Outbound>, owner: Owner, now: u64) {
+    match outbound {
         Some(request) => {
-            vm.outbox.borrow_mut().push_back(Job { context_id: w.context_id, policy: w.policy, ticket, request });
+            vm.outbox.borrow_mut().push_back(Job { context_id, policy, owner: Some(owner), request });
             dispatch_outbox(vm);
         }
         None => {
-            vm.owners.borrow_mut().insert(w.context_id, Owned { policy: w.policy, ticket, renewed_ms: now });
-            vm.handoff.borrow_mut().insert(w.context_id, (w.policy, ticket));
-            if !(host::set_effective_context(w.context_id) && host::resume_request()) {
-                vm.owners.borrow_mut().remove(&w.context_id);
-                vm.handoff.borrow_mut().remove(&w.context_id);
-                vm.release(&ticket);
+            vm.owners.borrow_mut().insert(context_id, Owned { policy, owner, renewed_ms: now });
+            vm.handoff.borrow_mut().insert(context_id, owner);
+            if !(vm.live.borrow().contains(&context_id) && host::set_effective_context(context_id) && host::resume_request()) {
+                vm.owners.borrow_mut().remove(&context_id);
+                vm.handoff.borrow_mut().remove(&context_id);
+                vm.release(&owner);
+            }
+        }
+    }
+}
+
+/// Lets a held request go upstream without a claim (`on_unavailable: "pass"`).
+pub(super) fn pass_through(vm: &Vm, context_id: u32, policy: usize, outbound: Option<super::Outbound>) {
+    if !vm.live.borrow().contains(&context_id) {
+        return;
+    }
+    match outbound {
+        Some(request) => {
+            vm.outbox.borrow_mut().push_back(Job { context_id, policy, owner: None, request });
+            dispatch_outbox(vm);
+        }
+        None => {
+            if host::set_effective_context(context_id) {
+                host::resume_request();
             }
         }
     }

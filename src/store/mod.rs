@@ -1,6 +1,7 @@
 //! The key-value store the table lives in: Envoy shared data in the plugin, an in-memory copy
 //! with the same semantics in tests.
 
+pub mod etcd;
 pub mod memory;
 // The shared-data implementation is host code: see `filter::host::SharedData`.
 

@@ -1,0 +1,81 @@
+"""A real etcd (3.4, from Debian's etcd-server) on free loopback ports, for the fleet tests."""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+from harness import free_port, wait_until
+
+
+def etcd_binary():
+    return os.environ.get("ETCD_BIN") or shutil.which("etcd") or "/usr/bin/etcd"
+
+
+class Etcd:
+    """One etcd member on 127.0.0.1; stop() and start() keep its data and ports."""
+
+    def __init__(self):
+        self.tmp = tempfile.mkdtemp(prefix="idem-etcd-")
+        self.port, self.peer_port = free_port(), free_port()
+        self.proc = None
+        self.start()
+
+    def start(self):
+        url = f"http://127.0.0.1:{self.port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.log = open(os.path.join(self.tmp, "etcd.log"), "ab")
+        self.proc = subprocess.Popen(
+            [etcd_binary(), "--name", "t", "--data-dir", os.path.join(self.tmp, "data"),
+             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"t={peer}", "--logger", "zap", "--log-outputs", "stderr"],
+            stdout=self.log, stderr=self.log)
+        wait_until(self.healthy, timeout=20, message="etcd healthy")
+        return self
+
+    def healthy(self):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except Exception:
+            return False
+
+    def call(self, path, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                     data=json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    def count_keys(self, prefix):
+        import base64
+        start = base64.b64encode(prefix.encode()).decode()
+        end = base64.b64encode(prefix[:-1].encode() + bytes([ord(prefix[-1]) + 1])).decode()
+        out = self.call("/v3/kv/range", {"key": start, "range_end": end, "count_only": True})
+        return int(out.get("count", 0))
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+        if getattr(self, "log", None):
+            self.log.close()
+            self.log = None
+
+    def close(self):
+        self.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
