@@ -1,0 +1,201 @@
+"""Fleet mode (SPEC §2 `store`, issue "Fleet mode"): two Envoy processes share one etcd.
+
+Both Envoys are addressed with the same Host, as a fleet behind one name is (the store key
+includes the host).
+"""
+
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+
+from etcd_util import Etcd
+from harness import Envoy, free_port, request, run_concurrently, static_cluster, wait_until
+
+HOST = "api.example"
+
+
+def fleet_config(**overrides):
+    store = {"kind": "etcd", "cluster": "etcd", "timeout_ms": 1000}
+    store.update(overrides.pop("store", {}))
+    config = {"lease_ms": 2000, "store": store}
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture
+def etcd():
+    server = Etcd()
+    yield server
+    server.close()
+
+
+def start_pair(upstream, etcd, **config):
+    clusters = [static_cluster("etcd", etcd.port)]
+    a = Envoy(fleet_config(**config), upstream.port, extra_clusters=clusters)
+    b = Envoy(fleet_config(**config), upstream.port, extra_clusters=clusters)
+    return a, b
+
+
+def post(envoy, key, timeout=10, **headers):
+    h = {"Idempotency-Key": key, "Host": HOST, "content-type": "application/json"}
+    h.update({k.replace("_", "-"): str(v) for k, v in headers.items()})
+    return request(envoy.port, "POST", "/payments", h, b'{"amount":10}', timeout=timeout)
+
+
+def retry_until_final(envoy, key, deadline_s=10):
+    """Retries while the answer is 409 retryable, as a client honouring Retry-After would
+    (faster, to keep the test short)."""
+    end = time.time() + deadline_s
+    while True:
+        r = post(envoy, key)
+        if r.status != 409 or time.time() > end:
+            return r
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("forward", ["detached", "router"])
+def test_retry_on_the_other_envoy_gets_409_then_the_replay(wasm, upstream, etcd, forward):
+    a, b = start_pair(upstream, etcd, forward=forward)
+    try:
+        key = uuid.uuid4().hex
+        first = {}
+        t = threading.Thread(target=lambda: first.setdefault("r", post(a, key, x_delay_ms=1500)))
+        t.start()
+        wait_until(lambda: upstream.effects(key) == 1, timeout=5, message="first call upstream")
+        dup = post(b, key)
+        assert dup.status == 409
+        assert dup.json()["retryable"] is True and dup.header("retry-after") == "1"
+        t.join()
+        assert first["r"].status == 201
+        replay = retry_until_final(b, key)
+        assert replay.status == 201
+        assert replay.header("idempotent-replayed") == "true"
+        assert replay.body == first["r"].body
+        assert upstream.effects(key) == 1
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_500_keys_sent_4_times_to_both_envoys_give_500_effects(wasm, upstream, etcd):
+    a, b = start_pair(upstream, etcd)
+    try:
+        run = uuid.uuid4().hex[:8]
+        keys = [f"{run}-{i}" for i in range(500)]
+        jobs = [(k, (a, b)[j % 2]) for k in keys for j in range(4)]
+        started = time.time()
+        results = run_concurrently(lambda i: post(jobs[i][1], jobs[i][0], timeout=30), len(jobs), max_workers=48)
+        elapsed = time.time() - started
+        statuses = {}
+        for r in results:
+            statuses[r.status] = statuses.get(r.status, 0) + 1
+        print(f"2000 requests in {elapsed:.1f}s: {statuses}")
+        assert set(statuses) <= {201, 409}
+        assert sum(upstream.effects(k) for k in keys) == 500
+        assert all(upstream.effects(k) == 1 for k in keys)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_killed_envoy_marks_expire_and_the_retry_on_the_other_is_processed(wasm, upstream, etcd):
+    a, b = start_pair(upstream, etcd, forward="router")
+    try:
+        key = uuid.uuid4().hex
+        t = threading.Thread(target=lambda: _ignore(lambda: post(a, key, x_delay_ms=4000, timeout=8)))
+        t.start()
+        wait_until(lambda: upstream.effects(key) == 1, timeout=5, message="first call upstream")
+        a.kill(signal.SIGKILL)
+        killed_at = time.time()
+        assert post(b, key).status == 409  # the mark is still there
+        r = retry_until_final(b, key, deadline_s=15)
+        waited = time.time() - killed_at
+        print(f"retry processed {waited:.1f}s after the kill (lease_ms 2000)")
+        assert r.status == 201 and r.header("idempotent-replayed") is None
+        assert upstream.effects(key) == 2
+        assert waited < 6
+        t.join()
+    finally:
+        a.stop()
+        b.stop()
+
+
+def _ignore(fn):
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+@pytest.mark.parametrize("on_unavailable", ["reject", "pass"])
+def test_etcd_down_then_back(wasm, upstream, etcd, on_unavailable):
+    a, b = start_pair(upstream, etcd, store={"on_unavailable": on_unavailable})
+    try:
+        assert post(a, uuid.uuid4().hex).status == 201  # everything is up
+        etcd.stop()
+        key = uuid.uuid4().hex
+        r = post(a, key)
+        if on_unavailable == "reject":
+            assert r.status == 503
+            assert r.header("content-type") == "application/problem+json"
+            assert r.header("retry-after") == "1"
+            assert r.json()["retryable"] is True
+            assert upstream.effects(key) == 0
+        else:
+            assert r.status == 201
+            assert upstream.effects(key) == 1
+        assert a.stat("wasmcustom.idempotency.store_error") >= 1
+        etcd.start()
+        key = uuid.uuid4().hex
+        # Normal behaviour resumes without restarting Envoy.
+        wait_until(lambda: post(a, f"probe-{uuid.uuid4().hex}").status == 201, timeout=15, message="recovery")
+        first = post(a, key)
+        assert first.status == 201
+        replay = retry_until_final(b, key)
+        assert replay.header("idempotent-replayed") == "true"
+        assert upstream.effects(key) == 1
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_upstream_failure_on_a_releases_the_key_for_b_at_once(wasm, upstream, etcd):
+    a, b = start_pair(upstream, etcd)
+    try:
+        key = uuid.uuid4().hex
+        r = post(a, key, x_status=500)
+        assert r.status == 500
+        time.sleep(0.2)  # the release is written right after the answer
+        r = post(b, key)
+        assert r.status == 201 and r.header("idempotent-replayed") is None
+        assert upstream.effects(key) == 2
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_claim_latency_against_shared_data(wasm, upstream, etcd):
+    """Not a timing assertion: prints the cost of a claim on etcd against shared data, both
+    measured in this run (README, fleet mode)."""
+    clusters = [static_cluster("etcd", etcd.port)]
+    shared = Envoy({"lease_ms": 2000}, upstream.port)
+    fleet = Envoy(fleet_config(), upstream.port, extra_clusters=clusters)
+    try:
+        def median_ms(envoy):
+            times = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                r = post(envoy, uuid.uuid4().hex)
+                times.append((time.perf_counter() - t0) * 1000)
+                assert r.status == 201
+            times.sort()
+            return times[len(times) // 2]
+        median_ms(shared), median_ms(fleet)  # warm up
+        s, f = median_ms(shared), median_ms(fleet)
+        print(f"CLAIM_LATENCY shared_data_median_ms={s:.2f} etcd_median_ms={f:.2f} extra_ms={f - s:.2f}")
+    finally:
+        shared.stop()
+        fleet.stop()
