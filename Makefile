@@ -36,7 +36,7 @@ unit:
 # Runs each fuzz target for FUZZ_SECONDS (needs nightly and cargo-fuzz); new inputs land in
 # fuzz/corpus/<target>/ and are replayed by `make unit`.
 FUZZ_SECONDS ?= 600
-FUZZ_TARGETS := config key entry
+FUZZ_TARGETS := config key entry etcd
 fuzz:
 	@for t in $(FUZZ_TARGETS); do \
 	  cargo +nightly fuzz run $$t fuzz/corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -max_len=65536 || exit 1; \

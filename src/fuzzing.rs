@@ -60,3 +60,17 @@ pub fn entry(data: &[u8]) {
         let _ = table.release(&ticket);
     }
 }
+
+/// An answer from etcd's gateway, and an etcd value (an entry of ours or a foreign one).
+pub fn etcd(data: &[u8]) {
+    use crate::store::etcd::{parse_grant, parse_keepalive, parse_txn};
+    for status in [200, 404, 503] {
+        let _ = parse_txn(status, data);
+        let _ = parse_grant(status, data);
+        let _ = parse_keepalive(status, data);
+    }
+    if let Ok((way, response)) = crate::entry::decode_entry(data) {
+        assert_eq!(crate::entry::encode_entry(&way, response.as_ref()), data);
+        let _ = crate::engine::decide_entry(Some(&way), &Fingerprint::default(), 1);
+    }
+}

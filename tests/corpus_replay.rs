@@ -30,3 +30,8 @@ fn key_corpus() {
 fn entry_corpus() {
     replay("entry", idempotency::fuzzing::entry);
 }
+
+#[test]
+fn etcd_corpus() {
+    replay("etcd", idempotency::fuzzing::etcd);
+}
