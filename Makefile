@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: build run test unit e2e lint setup clean fuzz
+.PHONY: build run test unit e2e lint setup clean fuzz image
 
 build: $(WASM)
 
@@ -50,6 +50,11 @@ e2e: build setup
 	$(VENV)/bin/pytest -q tests
 
 test: unit lint e2e
+
+# The OCI image Istio pulls (FROM scratch, /plugin.wasm); needs a Docker engine.
+IMAGE ?= idempotency:dev
+image: build
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf target dist
