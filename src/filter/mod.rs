@@ -318,6 +318,19 @@ pub fn judge(vm: &Vm, policy: &Policy, begin: Result<crate::engine::Begin, Store
     }
 }
 
+/// The counter `judge` adds to for an answer (claims and in-progress are counted elsewhere).
+pub fn counter_of(begin: &Result<crate::engine::Begin, StoreError>) -> Option<Counter> {
+    use crate::engine::Begin;
+    match begin {
+        Ok(Begin::Replay(_)) => Some(Counter::Replayed),
+        Ok(Begin::CompletedWithoutBody) => Some(Counter::Conflict),
+        Ok(Begin::Mismatch) => Some(Counter::FingerprintMismatch),
+        Ok(Begin::Full) => Some(Counter::StoreFull),
+        Err(_) => Some(Counter::StoreError),
+        Ok(Begin::Claimed { .. } | Begin::InProgress) => None,
+    }
+}
+
 pub fn describe(begin: &Result<crate::engine::Begin, StoreError>) -> String {
     use crate::engine::Begin;
     match begin {

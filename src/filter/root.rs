@@ -331,8 +331,10 @@ fn poll_waiters(vm: &Vm, now: u64) {
         return;
     }
     let mut keep = Vec::with_capacity(waiters.len());
-    // Requests already looked at in this tick, with what they found (claims excepted).
-    let mut seen: Vec<(crate::key::StoreKey, crate::fingerprint::Fingerprint, Option<Verdict>)> = Vec::new();
+    // Requests already looked at in this tick, with what they found (claims excepted) and the
+    // counter each answer adds to: every waiter answered counts once.
+    type Memo = Option<(Verdict, Option<Counter>)>;
+    let mut seen: Vec<(crate::key::StoreKey, crate::fingerprint::Fingerprint, Memo)> = Vec::new();
     for w in waiters {
         if !vm.live.borrow().contains(&w.context_id) {
             continue; // the client left: drop it, nothing to release
@@ -342,14 +344,20 @@ fn poll_waiters(vm: &Vm, now: u64) {
         let verdict = match known.and_then(|i| seen.get(i)) {
             // Another waiter of this request claimed it in this tick: keep waiting for it.
             Some((_, _, None)) => Verdict::InProgress,
-            Some((_, _, Some(v))) => clone_verdict(v),
+            Some((_, _, Some((v, counter)))) => {
+                if let Some(c) = counter {
+                    vm.count(*c);
+                }
+                clone_verdict(v)
+            }
             None => {
                 let begin = vm.table.begin(&w.key, &w.fingerprint, now, policy.lease_ms);
                 if !matches!(begin, Ok(crate::engine::Begin::InProgress)) {
                     log::debug!("waiter {} key {} -> {}", w.context_id, w.key.short(), describe(&begin));
                 }
+                let counter = super::counter_of(&begin);
                 let v = judge(vm, policy, begin);
-                let memo = if matches!(v, Verdict::Claimed(_)) { None } else { Some(clone_verdict(&v)) };
+                let memo = if matches!(v, Verdict::Claimed(_)) { None } else { Some((clone_verdict(&v), counter)) };
                 seen.push((w.key, w.fingerprint, memo));
                 v
             }

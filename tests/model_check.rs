@@ -1,0 +1,190 @@
+//! Model checking of the store protocol (SPEC §3.8) with loom: three callers claim, renew,
+//! complete, release and take over one key against a store with Envoy's shared-data CAS
+//! semantics, and loom runs every interleaving of their store operations (bounded by
+//! `LOOM_MAX_PREEMPTIONS`, 3 by default here).
+//!
+//! Each caller acts at fixed times of a shared fake clock, so marks expire and are taken over
+//! depending only on the interleaving.
+
+use idempotency::engine::{Begin, Finish, Layout, Table, Ticket};
+use idempotency::entry::StoredResponse;
+use idempotency::fingerprint::Fingerprint;
+use idempotency::key::StoreKey;
+use idempotency::store::{KvError, SharedKv};
+use loom::sync::{Arc, Mutex};
+use loom::thread;
+use std::collections::HashMap;
+
+/// Envoy's shared data (SPEC §4) on loom's mutex: every get and set is a point where loom
+/// may switch threads.
+struct LoomKv {
+    inner: Mutex<(HashMap<String, (Vec<u8>, u32)>, u32)>,
+}
+
+impl SharedKv for LoomKv {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), KvError> {
+        let inner = self.inner.lock().unwrap();
+        Ok(match inner.0.get(key) {
+            None => (None, None),
+            Some((v, cas)) if v.is_empty() => (None, Some(*cas)),
+            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+        })
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), KvError> {
+        let mut inner = self.inner.lock().unwrap();
+        if let (Some((_, current)), Some(expected)) = (inner.0.get(key), cas) {
+            if expected != 0 && expected != *current {
+                return Err(KvError::CasMismatch);
+            }
+        }
+        inner.1 += 1;
+        let next = inner.1;
+        inner.0.insert(key.to_string(), (value.to_vec(), next));
+        Ok(())
+    }
+}
+
+const LEASE: u64 = 10;
+const RETENTION: u64 = 1_000;
+
+fn new_table() -> Arc<Table<LoomKv>> {
+    let kv = LoomKv { inner: Mutex::new((HashMap::new(), 0)) };
+    let table = Table::new(kv, Layout::new("m", 1));
+    table.create().unwrap();
+    Arc::new(table)
+}
+
+fn key() -> StoreKey {
+    StoreKey::derive("m", b"host", &[], b"the-key")
+}
+
+fn body(name: &str) -> StoredResponse {
+    StoredResponse { status: 201, headers: vec![], body: name.as_bytes().to_vec() }
+}
+
+fn claim(t: &Table<LoomKv>, now: u64) -> Option<Ticket> {
+    match t.begin(&key(), &Fingerprint::default(), now, LEASE).unwrap() {
+        Begin::Claimed { ticket, .. } => Some(ticket),
+        _ => None,
+    }
+}
+
+fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    if builder.preemption_bound.is_none() {
+        builder.preemption_bound = Some(3);
+    }
+    builder.check(f);
+}
+
+/// A slow owner (its mark expires), a taker-over, and an observer. At most one completion
+/// succeeds; whatever is replayed, during and after, is that completion's response.
+#[test]
+fn late_owner_takeover_and_observer() {
+    model(|| {
+        let t = new_table();
+        let a = {
+            let t = t.clone();
+            thread::spawn(move || {
+                let ticket = claim(&t, 0)?;
+                // Finishes at 20: its mark (deadline 10) may have been taken over.
+                Some(t.complete(&ticket, Some(&body("A")), 20, RETENTION).unwrap())
+            })
+        };
+        let b = {
+            let t = t.clone();
+            thread::spawn(move || {
+                let ticket = claim(&t, 15)?;
+                Some(t.complete(&ticket, Some(&body("B")), 16, RETENTION).unwrap())
+            })
+        };
+        let c = {
+            let t = t.clone();
+            thread::spawn(move || match t.begin(&key(), &Fingerprint::default(), 17, LEASE).unwrap() {
+                Begin::Replay(r) => Some(r.body),
+                _ => None,
+            })
+        };
+        let (a, b, seen) = (a.join().unwrap(), b.join().unwrap(), c.join().unwrap());
+        let winners: Vec<&str> = [(a, "A"), (b, "B")].iter().filter(|(r, _)| *r == Some(Finish::Done)).map(|(_, n)| *n).collect();
+        assert!(winners.len() <= 1, "two owners completed: {winners:?}");
+        let last = t.begin(&key(), &Fingerprint::default(), 18, LEASE).unwrap();
+        match winners.first() {
+            Some(w) => {
+                assert_eq!(last, Begin::Replay(body(w)), "the stored response is the winner's");
+                if let Some(seen) = seen {
+                    assert_eq!(seen, w.as_bytes(), "an observer saw another response");
+                }
+            }
+            None => assert!(!matches!(last, Begin::Replay(_)), "a replay without a completion"),
+        }
+    });
+}
+
+/// An owner that renews keeps its key: a later caller can only take over if the renewal came
+/// too late, and then the renewal fails and the first owner cannot complete.
+#[test]
+fn renewal_against_takeover() {
+    model(|| {
+        let t = new_table();
+        let a = {
+            let t = t.clone();
+            thread::spawn(move || {
+                let ticket = claim(&t, 0)?;
+                let renewed = t.renew(&ticket, 8, LEASE).unwrap(); // deadline 18 if in time
+                let done = t.complete(&ticket, Some(&body("A")), 16, RETENTION).unwrap();
+                Some((renewed, done))
+            })
+        };
+        let b = {
+            let t = t.clone();
+            thread::spawn(move || {
+                let ticket = claim(&t, 12)?; // after A's first deadline, before its renewed one
+                Some(t.complete(&ticket, Some(&body("B")), 13, RETENTION).unwrap())
+            })
+        };
+        let (a, b) = (a.join().unwrap(), b.join().unwrap());
+        if let Some((Finish::Done, _)) = a {
+            // A renewed before B looked (B's claim at 12 < 18 would have been refused) or
+            // B claimed first (then A never claimed). Either way, no double completion.
+            assert!(!(a.map(|x| x.1) == Some(Finish::Done) && b == Some(Finish::Done)));
+        }
+        let completed = [a.map(|x| x.1), b].iter().filter(|r| **r == Some(Finish::Done)).count();
+        assert!(completed <= 1);
+    });
+}
+
+/// Release lets exactly one of the retries in; an owner never completes after releasing.
+#[test]
+fn release_then_two_retries() {
+    model(|| {
+        let t = new_table();
+        let a = {
+            let t = t.clone();
+            thread::spawn(move || {
+                let ticket = claim(&t, 0)?;
+                assert_eq!(t.release(&ticket).unwrap(), Finish::Done);
+                Some(t.complete(&ticket, Some(&body("A")), 1, RETENTION).unwrap())
+            })
+        };
+        let retries: Vec<_> = ["B", "C"]
+            .into_iter()
+            .map(|name| {
+                let t = t.clone();
+                thread::spawn(move || {
+                    let ticket = claim(&t, 2)?;
+                    Some((name, t.complete(&ticket, Some(&body(name)), 3, RETENTION).unwrap()))
+                })
+            })
+            .collect();
+        assert_ne!(a.join().unwrap(), Some(Finish::Done), "completed after its own release");
+        let claimed: Vec<_> = retries.into_iter().filter_map(|h| h.join().unwrap()).collect();
+        // A holds the key from 0 until its release: both retries may find it in progress, but
+        // two retries can never both own it.
+        assert!(claimed.len() <= 1, "two owners at once: {claimed:?}");
+        if let Some((name, Finish::Done)) = claimed.first() {
+            assert_eq!(t.begin(&key(), &Fingerprint::default(), 4, LEASE).unwrap(), Begin::Replay(body(name)));
+        }
+    });
+}
