@@ -29,9 +29,14 @@ $(VENV)/.ready: tests/requirements.txt
 run: build setup
 	$(PY) envoy/demo.py
 
-# The core's tests and the fuzz corpora replayed as regression tests (stable Rust).
-unit:
+# The core's tests, the fuzz corpora replayed as regression tests, the model checking of the
+# store protocol (loom), and the core's tests again on wasm32-wasip1 under wasmtime (32-bit
+# usize, as in the plugin).
+unit: setup
+	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
 	cargo test --lib --test corpus_replay
+	cargo test --release --test model_check
+	cargo test --target $(TARGET) --lib
 
 # Runs each fuzz target for FUZZ_SECONDS (needs nightly and cargo-fuzz); new inputs land in
 # fuzz/corpus/<target>/ and are replayed by `make unit`.

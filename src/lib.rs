@@ -14,10 +14,10 @@ pub mod metrics;
 pub mod problem;
 pub mod store;
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", not(test)))]
 mod filter;
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", not(test)))]
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Debug);
     proxy_wasm::set_root_context(|id| -> Box<dyn proxy_wasm::traits::RootContext> {

@@ -5,6 +5,7 @@
 //!
 //! Each caller acts at fixed times of a shared fake clock, so marks expire and are taken over
 //! depending only on the interleaving.
+#![cfg(not(target_family = "wasm"))]
 
 use idempotency::engine::{Begin, Finish, Layout, Table, Ticket};
 use idempotency::entry::StoredResponse;

@@ -2,7 +2,9 @@
 
 use super::*;
 use crate::store::memory::MemoryKv;
+#[cfg(not(target_family = "wasm"))]
 use std::sync::atomic::{AtomicUsize, Ordering};
+#[cfg(not(target_family = "wasm"))]
 use std::sync::{Arc, Barrier};
 
 const LEASE: u64 = 10_000;
@@ -222,6 +224,7 @@ fn create_is_idempotent_and_keeps_entries() {
 /// Many threads race for the same keys against the Envoy-semantics store: exactly one claim
 /// per key, everyone else sees in-progress or the replay.
 #[test]
+#[cfg(not(target_family = "wasm"))] // no threads on wasm32-wasip1
 fn concurrent_callers_claim_each_key_once() {
     const THREADS: usize = 16;
     const KEYS: u64 = 200;
@@ -260,6 +263,7 @@ fn concurrent_callers_claim_each_key_once() {
 /// Owners complete, release and renew while others claim and take over expired marks: the
 /// invariants of SPEC §3.8 hold at every step.
 #[test]
+#[cfg(not(target_family = "wasm"))]
 fn concurrent_owners_never_overwrite_each_other() {
     const THREADS: usize = 8;
     let t = Arc::new(table(64)); // one bucket: maximal contention
