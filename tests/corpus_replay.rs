@@ -1,5 +1,6 @@
 //! Replays the fuzzers' corpora (`fuzz/corpus/<target>/`) through the same entry points, so
 //! every input a fuzzer ever kept is a regression test on stable Rust.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)] // test code
 
 use std::fs;
 use std::path::Path;

@@ -6,6 +6,7 @@
 //! Each caller acts at fixed times of a shared fake clock, so marks expire and are taken over
 //! depending only on the interleaving.
 #![cfg(not(target_family = "wasm"))]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)] // test code
 
 use idempotency::engine::{Begin, Finish, Layout, Table, Ticket};
 use idempotency::entry::StoredResponse;
@@ -19,8 +20,11 @@ use std::collections::HashMap;
 /// Envoy's shared data (SPEC §4) on loom's mutex: every get and set is a point where loom
 /// may switch threads.
 struct LoomKv {
-    inner: Mutex<(HashMap<String, (Vec<u8>, u32)>, u32)>,
+    /// Values with their cas, and the one global cas counter.
+    inner: Mutex<(Values, u32)>,
 }
+
+type Values = HashMap<String, (Vec<u8>, u32)>;
 
 impl SharedKv for LoomKv {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), KvError> {

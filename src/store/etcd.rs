@@ -26,8 +26,8 @@ fn b64(bytes: &[u8]) -> String {
 
 fn put(key: &[u8], value: &[u8], lease: i64) -> Value {
     let mut p = json!({"key": b64(key), "value": b64(value)});
-    if lease != 0 {
-        p["lease"] = json!(lease.to_string());
+    if let (true, Some(obj)) = (lease != 0, p.as_object_mut()) {
+        obj.insert("lease".into(), json!(lease.to_string()));
     }
     json!({"request_put": p})
 }
