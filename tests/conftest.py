@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from harness import Envoy, Upstream, wasm_path
+from harness import Envoy, Upstream, tail, wasm_path
 
 
 @pytest.fixture
@@ -26,9 +26,21 @@ def wasm():
     return path
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps each phase's report on the item, so fixtures can tell a failed test at teardown."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, "rep_" + report.when, report)
+
+
 @pytest.fixture
-def make_envoy():
-    """make_envoy(plugin_config, upstream_port, **kwargs) -> Envoy, stopped at teardown."""
+def make_envoy(request):
+    """make_envoy(plugin_config, upstream_port, **kwargs) -> Envoy, stopped at teardown.
+
+    When the test failed, the tail of each Envoy's log is printed (pytest shows it with the
+    failure, under "Captured stdout teardown").
+    """
     started = []
 
     def make(plugin_config, upstream_port, **kwargs):
@@ -39,3 +51,7 @@ def make_envoy():
     yield make
     for envoy in started:
         envoy.stop()
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        for envoy in started:
+            print(f"--- envoy {envoy.port} log tail ---\n{tail(envoy.log_text(), 80)}")

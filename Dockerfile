@@ -1,0 +1,2 @@
+FROM scratch
+COPY dist/idempotency.wasm /plugin.wasm
