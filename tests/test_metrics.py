@@ -1,0 +1,120 @@
+"""SPEC §3.7: after a scripted scenario, each counter in /stats equals what the wire showed.
+
+Counters are process-wide (`wasmcustom.idempotency.<name>`), so one Envoy per test.
+"""
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from harness import request, wait_until
+
+NAMES = ["claimed", "replayed", "conflict", "waited", "released", "completed", "expired_takeover",
+         "fingerprint_mismatch", "missing_key", "invalid_key", "too_large", "response_not_stored",
+         "store_error", "store_full", "owner_lost", "upstream_failed"]
+
+
+def counters(envoy):
+    return {n: envoy.stat(f"wasmcustom.idempotency.{n}") for n in NAMES}
+
+
+def gauges(envoy):
+    return {n: envoy.stat(f"wasmcustom.idempotency.entries_{n}") for n in ("in_progress", "completed")}
+
+
+def post(port, key=None, body=b'{"a":1}', **headers):
+    h = {"content-type": "application/json"}
+    if key is not None:
+        h["Idempotency-Key"] = key
+    h.update({k.replace("_", "-"): str(v) for k, v in headers.items()})
+    return request(port, "POST", "/pay", h, body)
+
+
+@pytest.mark.parametrize("forward", ["detached", "router"])
+def test_counters_match_the_wire(wasm, upstream, make_envoy, forward):
+    envoy = make_envoy({"forward": forward, "max_request_body_bytes": 1000,
+                        "max_response_bytes": 2000, "lease_ms": 1000,
+                        "routes": [{"match": {"prefix": "/strict"}, "require_key": True}]},
+                       upstream.port, buffer_limit_bytes=1 << 20)
+    seen = {n: 0 for n in NAMES}
+    k = lambda: uuid.uuid4().hex  # noqa: E731
+
+    # 3 first calls completed, each replayed twice.
+    for _ in range(3):
+        key = k()
+        assert post(envoy.port, key).status == 201
+        seen["claimed"] += 1
+        seen["completed"] += 1
+        for _ in range(2):
+            r = post(envoy.port, key)
+            assert r.header("idempotent-replayed") == "true"
+            seen["replayed"] += 1
+        # Same key, other body: 422.
+        assert post(envoy.port, key, body=b'{"a":2}').status == 422
+        seen["fingerprint_mismatch"] += 1
+
+    # 2 upstream failures released, then retried.
+    for _ in range(2):
+        key = k()
+        assert post(envoy.port, key, x_status=500).status == 500
+        seen["claimed"] += 1
+        seen["released"] += 1
+        assert post(envoy.port, key).status == 201
+        seen["claimed"] += 1
+        seen["completed"] += 1
+
+    # 4 duplicates while one call is in progress: 409.
+    key = k()
+    slow = threading.Thread(target=lambda: post(envoy.port, key, x_delay_ms=1500))
+    slow.start()
+    wait_until(lambda: upstream.effects(key) == 1, timeout=5, message="slow call upstream")
+    for _ in range(4):
+        assert post(envoy.port, key).status == 409
+        seen["conflict"] += 1
+    slow.join()
+    seen["claimed"] += 1
+    seen["completed"] += 1
+
+    # A response too large to store: completed without it; the retry gets 409 (not retryable).
+    key = k()
+    assert post(envoy.port, key, x_body_bytes=5000).status == 201
+    seen["claimed"] += 1
+    seen["completed"] += 1
+    seen["response_not_stored"] += 1
+    r = post(envoy.port, key)
+    assert r.status == 409 and r.json()["retryable"] is False
+    seen["conflict"] += 1
+
+    # Bad keys, a missing required key, a body over the limit.
+    assert post(envoy.port, "bad key").status == 400
+    assert request(envoy.port, "POST", "/pay", [("Idempotency-Key", "a"), ("Idempotency-Key", "b")], b"{}").status == 400
+    seen["invalid_key"] += 2
+    assert request(envoy.port, "POST", "/strict", {}, b"{}").status == 400
+    seen["missing_key"] += 1
+    assert post(envoy.port, k(), body=b"x" * 1001).status == 413
+    seen["too_large"] += 1
+
+    # Key-less requests and GETs are not counted.
+    assert post(envoy.port).status == 201
+    assert request(envoy.port, "GET", "/pay").status == 200
+
+    wait_until(lambda: counters(envoy) == seen, timeout=5, message="counters to settle")
+    assert counters(envoy) == seen
+    # Gauges: every completed entry is still held; nothing is in progress.
+    assert gauges(envoy) == {"in_progress": 0, "completed": seen["completed"]}
+
+
+def test_takeover_and_upstream_failure_are_counted(wasm, upstream, make_envoy):
+    """Router mode: a client that leaves lets its mark expire; a retry takes it over."""
+    from harness import abandon
+    envoy = make_envoy({"forward": "router", "lease_ms": 500}, upstream.port)
+    key = uuid.uuid4().hex
+    # The same Host on both requests: the store key includes it.
+    abandon(envoy.port, "POST", "/pay", {"Host": "api", "Idempotency-Key": key, "x-delay-ms": "3000",
+                                         "content-type": "application/json"}, b"{}", after_s=0.2)
+    time.sleep(0.8)
+    assert post(envoy.port, key, body=b"{}", Host="api").status == 201
+    assert envoy.stat("wasmcustom.idempotency.expired_takeover") == 1
+    assert envoy.stat("wasmcustom.idempotency.claimed") == 2
