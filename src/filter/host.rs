@@ -116,6 +116,10 @@ pub fn request_headers() -> Vec<(String, Vec<u8>)> {
     hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
 }
 
+pub fn request_header(name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
+}
+
 pub fn response_headers() -> Vec<(String, Vec<u8>)> {
     hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default()
 }

@@ -72,21 +72,27 @@ impl Stream {
     /// Request headers: is the request covered, is its key valid; remember what the claim
     /// needs. The claim itself waits for the body (it is part of the fingerprint).
     fn on_headers(&mut self, end_of_stream: bool) -> Action {
-        let headers = host::request_headers();
-        let value_of = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
-        let method = value_of(":method").unwrap_or_default();
-        let path = value_of(":path").unwrap_or_default();
-        let route_name = if self.vm.config.rules.iter().any(|r| matches!(r.matcher, crate::config::RouteMatch::RouteName(_))) {
-            host::property(&["xds", "route_name"])
-        } else {
-            None
-        };
-        self.policy = self.vm.config.policy_for(path, method, route_name.as_deref());
         let vm = self.vm.clone();
+        // Requests we do not cover cost one header lookup (two or three with route rules):
+        // the full header map is read only for covered methods.
+        let method = host::request_header(":method").unwrap_or_default();
+        if !vm.config.rules.is_empty() {
+            let path = host::request_header(":path").unwrap_or_default();
+            let route_name = if vm.config.rules.iter().any(|r| matches!(r.matcher, crate::config::RouteMatch::RouteName(_))) {
+                host::property(&["xds", "route_name"])
+            } else {
+                None
+            };
+            self.policy = vm.config.policy_for(&path, &method, route_name.as_deref());
+        }
         let policy = vm.policy(self.policy);
-        if !policy.enabled || !policy.methods.iter().any(|m| m.as_bytes() == method) {
+        if !policy.enabled || !policy.methods.iter().any(|m| m.as_bytes() == method.as_slice()) {
             return Action::Continue;
         }
+        let headers = host::request_headers();
+        let value_of = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
+        let method = method.as_slice();
+        let path = value_of(":path").unwrap_or_default();
         let mut keys = headers.iter().filter(|(n, _)| *n == policy.key_header);
         let raw_key = match (keys.next(), keys.next()) {
             (None, _) if policy.require_key => {
