@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: build run test unit e2e lint setup clean fuzz image
+.PHONY: fleet build run test unit e2e lint setup clean fuzz image
 
 build: $(WASM)
 
@@ -28,6 +28,10 @@ $(VENV)/.ready: tests/requirements.txt
 
 run: build setup
 	$(PY) envoy/demo.py
+
+# Two Envoy replicas on one etcd (needs etcd: apt-get install etcd-server).
+fleet: build setup
+	$(PY) envoy/fleet_demo.py
 
 # The core's tests, the fuzz corpora replayed as regression tests, the model checking of the
 # store protocol (loom), and the core's tests again on wasm32-wasip1 under wasmtime (32-bit
