@@ -191,6 +191,7 @@ fn err(field: &str, reason: impl Into<String>) -> ConfigError {
 /// Largest values we accept: they keep arithmetic on milliseconds and sizes far from overflow
 /// and catch unit mistakes (seconds given as milliseconds).
 const MAX_MS: u64 = 24 * 3600 * 1000;
+const MIN_LEASE_MS: u64 = 1_000;
 const MAX_RETENTION_S: u64 = 30 * 24 * 3600;
 const MAX_BODY: u64 = 64 << 20;
 const MAX_CAPACITY: u64 = 1 << 22;
@@ -317,7 +318,9 @@ impl Policy {
             "scope_jwt_claim" => self.scope_jwt_claim = jwt_claim(f, v)?,
             "fingerprint_headers" => self.fingerprint_headers = header_names(f, v)?,
             "fingerprint_body" => self.fingerprint_body = boolean(f, v)?,
-            "lease_ms" => self.lease_ms = int(f, v, 100, MAX_MS)?,
+            // Renewal runs every lease/4 from the worker's event loop, which an overloaded
+            // worker can stall for hundreds of ms (measured): shorter leases expire under load.
+            "lease_ms" => self.lease_ms = int(f, v, MIN_LEASE_MS, MAX_MS)?,
             "retention_s" => self.retention_s = int(f, v, 1, MAX_RETENTION_S)?,
             "retry_after_s" => self.retry_after_s = int(f, v, 1, 3600)?,
             "on_conflict" => {

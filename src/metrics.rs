@@ -11,6 +11,7 @@ pub enum Counter {
     Released,
     Completed,
     ExpiredTakeover,
+    Expired,
     FingerprintMismatch,
     MissingKey,
     InvalidKey,
@@ -23,7 +24,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 16] = [
+    pub const ALL: [Counter; 17] = [
         Counter::Claimed,
         Counter::Replayed,
         Counter::Conflict,
@@ -31,6 +32,7 @@ impl Counter {
         Counter::Released,
         Counter::Completed,
         Counter::ExpiredTakeover,
+        Counter::Expired,
         Counter::FingerprintMismatch,
         Counter::MissingKey,
         Counter::InvalidKey,
@@ -51,6 +53,7 @@ impl Counter {
             Counter::Released => "idempotency.released",
             Counter::Completed => "idempotency.completed",
             Counter::ExpiredTakeover => "idempotency.expired_takeover",
+            Counter::Expired => "idempotency.expired",
             Counter::FingerprintMismatch => "idempotency.fingerprint_mismatch",
             Counter::MissingKey => "idempotency.missing_key",
             Counter::InvalidKey => "idempotency.invalid_key",

@@ -1,10 +1,11 @@
 """Fixtures for the end-to-end tests: an effect-counting upstream and Envoys that clean up."""
 
 import os
+import re
 
 import pytest
 
-from harness import Envoy, Upstream, tail, wasm_path
+from harness import Envoy, Upstream, wasm_path
 
 
 @pytest.fixture
@@ -54,4 +55,8 @@ def make_envoy(request):
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
         for envoy in started:
-            print(f"--- envoy {envoy.port} log tail ---\n{tail(envoy.log_text(), 80)}")
+            # The plugin's lines and Envoy's warnings, not the start-up banner.
+            lines = [line for line in envoy.log_text().splitlines()
+                     if re.search(r"\]\[(wasm|warning|error|critical)\]", line)]
+            print(f"--- envoy {envoy.port} log (wasm, warnings, errors) ---\n"
+                  + "\n".join(lines[-80:]))

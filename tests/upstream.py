@@ -83,6 +83,10 @@ class EffectStore:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as Envoy's upstream pool expects
     server_version = "idem-upstream/1"
+    # The head and the body of an answer are two writes: with Nagle on, the body waits for
+    # the ACK of the head, which the proxy delays (delayed ACK), so every answer on a
+    # keep-alive connection took ~40 ms more.
+    disable_nagle_algorithm = True
 
     def __getattr__(self, name):
         # BaseHTTPRequestHandler looks up do_<METHOD>; serve every method with one function.

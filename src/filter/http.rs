@@ -146,6 +146,7 @@ impl Stream {
         }
         let fingerprint = fingerprint.finish();
         let now = vm.now_ms();
+        super::root::renew(&vm, now, false);
         let outbound = detached.map(|(cluster, headers)| Outbound { cluster, headers, body });
         if vm.etcd.is_some() {
             // The fleet store answers asynchronously: the root resumes or answers us.

@@ -100,6 +100,8 @@ pub struct Vm {
     pub body_waits: RefCell<HashMap<u32, u64>>,
     /// Whether this VM ever got a request body callback: then the Envoy setting is on.
     pub body_seen: Cell<bool>,
+    /// Renewal runs at most this often (it is tried from every request, see `root::renew`).
+    pub next_renewal_ms: Cell<u64>,
     /// The etcd store's state, when the store is etcd.
     pub etcd: Option<RefCell<etcd::Etcd>>,
 }
@@ -123,6 +125,7 @@ impl Vm {
             handoff: RefCell::default(),
             body_waits: RefCell::default(),
             body_seen: Cell::new(false),
+            next_renewal_ms: Cell::new(0),
             etcd: None,
         }
     }

@@ -111,7 +111,7 @@ impl RootContext for Root {
         let now = vm.now_ms();
         check_body_delivery(&vm, now);
         poll_waiters(&vm, now);
-        renew(&vm, now);
+        renew(&vm, now, true);
         if vm.etcd.is_some() {
             etcd::tick(&vm, now);
             return;
@@ -120,7 +120,13 @@ impl RootContext for Root {
         let buckets = vm.table.layout().buckets();
         for _ in 0..self.sweep_per_tick.min(buckets) {
             match vm.table.sweep(self.sweep_cursor, now) {
-                Ok(swept) => vm.held(Held { in_progress: -swept.freed.in_progress, completed: -swept.freed.completed }),
+                Ok(swept) => {
+                    vm.held(Held { in_progress: -swept.freed.in_progress, completed: -swept.freed.completed });
+                    // In-progress marks past their deadline: their owner is gone.
+                    for _ in 0..swept.freed.in_progress {
+                        vm.count(Counter::Expired);
+                    }
+                }
                 Err(e) => log::debug!("sweep of bucket {} failed: {e:?}", self.sweep_cursor),
             }
             self.sweep_cursor = (self.sweep_cursor + 1) % buckets;
@@ -173,7 +179,15 @@ fn check_body_delivery(vm: &Vm, now: u64) {
 }
 
 /// Renews the marks of live owners: router streams still open and detached calls in flight.
-fn renew(vm: &Vm, now: u64) {
+/// Runs from the timer, and also from request callbacks (`from_root` false): a worker busy
+/// enough to delay its timer by hundreds of milliseconds is busy with requests, and those
+/// renew the marks on time. etcd renewals need the root (their answers come back to it).
+pub(super) fn renew(vm: &Vm, now: u64, from_root: bool) {
+    if now < vm.next_renewal_ms.get() {
+        return;
+    }
+    let min_lease = std::iter::once(&vm.config.policy).chain(vm.config.rules.iter().map(|r| &r.policy)).map(|p| p.lease_ms).min().unwrap_or(10_000);
+    vm.next_renewal_ms.set(now + (min_lease / 16).max(10));
     let lease = |policy: usize| vm.policy(policy).lease_ms;
     let due = |renewed: u64, policy: usize| now.saturating_sub(renewed) >= lease(policy) / 4;
     let owners: Vec<_> = vm
@@ -193,6 +207,7 @@ fn renew(vm: &Vm, now: u64) {
                     continue;
                 }
             },
+            Owner::Etcd(_) if !from_root => continue,
             Owner::Etcd(id) => {
                 etcd::renew(vm, id, now, lease(policy));
                 false
@@ -223,9 +238,21 @@ pub(super) fn dispatch_outbox(vm: &Vm) {
         let headers: Vec<(&str, &str)> = request.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         let policy = vm.policy(job.policy);
         let timeout = Duration::from_millis(policy.upstream_timeout_ms);
+        // The job may have waited (a busy worker's event loop): renew the mark now, so that
+        // the lease counts from the moment the call leaves, not from the claim.
+        let now = vm.now_ms();
+        match job.owner {
+            Some(Owner::Table(ticket)) => {
+                if let Err(e) = vm.table.renew(&ticket, now, policy.lease_ms) {
+                    log::warn!("renewal before dispatch failed: {e:?}");
+                }
+            }
+            Some(Owner::Etcd(id)) => etcd::renew(vm, id, now, policy.lease_ms),
+            None => {}
+        }
         match host::dispatch(&request.cluster, headers, &request.body, timeout) {
             Ok(token) => {
-                let call = Call { context_id: job.context_id, policy: job.policy, owner: job.owner, renewed_ms: vm.now_ms() };
+                let call = Call { context_id: job.context_id, policy: job.policy, owner: job.owner, renewed_ms: now };
                 vm.calls.borrow_mut().insert(token, call);
             }
             Err(status) => {
@@ -261,7 +288,9 @@ fn classify(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {
     let from_upstream = headers.iter().any(|(n, _)| n == "x-envoy-upstream-service-time");
     if !from_upstream {
         if status == 503 && body.starts_with(b"upstream connect error or disconnect/reset before headers") {
-            let connect = body.windows(b"connection failure".len()).any(|w| w == b"connection failure");
+            let says = |word: &[u8]| body.windows(word.len()).any(|w| w == word);
+            // A connect failure, or Envoy's circuit breaker (overflow): nothing was sent.
+            let connect = says(b"connection failure") || says(b"overflow") || headers.iter().any(|(n, _)| n == "x-envoy-overloaded");
             return if connect {
                 Answer::NoAnswer { status: 503, reason: "The upstream could not be reached" }
             } else {
