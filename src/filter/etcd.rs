@@ -13,7 +13,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
-use super::root::{answer_client, pass_through, promote};
+use super::detached::{pass_through, promote};
+use super::answer_client;
 use super::{host, send_stored, Outbound, Owner, Vm};
 use crate::config::{EtcdConfig, OnConflict, OnUnavailable};
 use crate::engine::{decide_entry, Decision};

@@ -3,10 +3,12 @@
 //! contexts share (they run on one thread; borrows never span a host call, because a local
 //! reply can re-enter the plugin).
 
+mod detached;
 mod etcd;
 mod host;
 mod http;
 mod root;
+mod wait;
 
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -344,5 +346,17 @@ pub fn describe(begin: &Result<crate::engine::Begin, StoreError>) -> String {
         Ok(Begin::Mismatch) => "fingerprint mismatch: 422".into(),
         Ok(Begin::Full) => "store full: 503".into(),
         Err(e) => format!("store error {e:?}: 503"),
+    }
+}
+
+/// Answers a paused client if its stream is still open. The live set matters: after a reset,
+/// Envoy keeps the stream briefly and a reply to it would re-enter a context the SDK has
+/// dropped, and panic the VM (SPEC §4).
+pub fn answer_client(vm: &Vm, context_id: u32, send: impl FnOnce(&Vm)) {
+    if !vm.live.borrow().contains(&context_id) {
+        return;
+    }
+    if host::set_effective_context(context_id) {
+        send(vm);
     }
 }
