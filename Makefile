@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: fleet build run test unit e2e lint setup clean fuzz image
+.PHONY: fleet build run test unit e2e lint setup clean fuzz image chaos bench
 
 build: $(WASM)
 
@@ -59,6 +59,20 @@ e2e: build setup
 	$(VENV)/bin/pytest -q tests
 
 test: unit lint e2e
+
+# The retry storm (tests/chaos.py) on shared data, then on etcd, CHAOS_SECONDS each: 40
+# clients, slow/failing/resetting upstream, timeouts and hang-ups, Envoy SIGKILLed and
+# restarted halfway. Fails on an unexplained duplicate effect or a lost answer.
+CHAOS_SECONDS ?= 90
+chaos: build setup
+	$(PY) tests/chaos.py --store shared_data --duration $(CHAOS_SECONDS) --clients 40
+	$(PY) tests/chaos.py --store etcd --duration $(CHAOS_SECONDS) --clients 40
+
+# The plugin against bare Envoy (wrk, about 4 minutes): prints a table and the RATIOS line,
+# writes docs/bench/results.json, results.md and chart.svg. The machine should be otherwise idle.
+bench: build setup
+	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(PY) bench/bench.py
 
 # The OCI image Istio pulls (FROM scratch, /plugin.wasm); needs a Docker engine.
 IMAGE ?= idempotency:dev

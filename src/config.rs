@@ -192,6 +192,7 @@ fn err(field: &str, reason: impl Into<String>) -> ConfigError {
 /// and catch unit mistakes (seconds given as milliseconds).
 const MAX_MS: u64 = 24 * 3600 * 1000;
 const MIN_LEASE_MS: u64 = 1_000;
+const MIN_ETCD_LEASE_MS: u64 = 3_000;
 const MAX_RETENTION_S: u64 = 30 * 24 * 3600;
 const MAX_BODY: u64 = 64 << 20;
 const MAX_CAPACITY: u64 = 1 << 22;
@@ -228,6 +229,16 @@ impl Config {
         if let Some(v) = rules {
             for (i, item) in array("routes", v)?.iter().enumerate() {
                 c.rules.push(rule(&format!("routes[{i}]"), item, &c.policy)?);
+            }
+        }
+        // A renewal through etcd takes a round trip that reached hundreds of milliseconds under
+        // load (measured): shorter leases let live calls lose their mark.
+        if matches!(c.store, StoreConfig::Etcd(_)) {
+            let short = std::iter::once(("lease_ms".to_string(), &c.policy))
+                .chain(c.rules.iter().enumerate().map(|(i, r)| (format!("routes[{i}].lease_ms"), &r.policy)))
+                .find(|(_, p)| p.lease_ms < MIN_ETCD_LEASE_MS);
+            if let Some((field, p)) = short {
+                return Err(err(&field, format!("with the etcd store, at least {MIN_ETCD_LEASE_MS}, got {}", p.lease_ms)));
             }
         }
         Ok(c)
@@ -588,6 +599,8 @@ mod tests {
             (r#"{"store":{"kind":"etcd"}}"#, "store.cluster"),
             (r#"{"store":{"kind":"etcd","cluster":"etcd","on_unavailable":"maybe"}}"#, "store.on_unavailable"),
             (r#"{"store":{"kind":"etcd","cluster":"etcd","timeout_ms":0}}"#, "store.timeout_ms"),
+            (r#"{"lease_ms":2000,"store":{"kind":"etcd","cluster":"etcd"}}"#, "lease_ms"),
+            (r#"{"store":{"kind":"etcd","cluster":"etcd"},"routes":[{"match":{"prefix":"/"},"lease_ms":1000}]}"#, "routes[0].lease_ms"),
             (r#"{"namespace":"a/b"}"#, "namespace"),
             (r#"{"capacity":0}"#, "capacity"),
             (r#"{"key_header":""}"#, "key_header"),

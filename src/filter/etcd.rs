@@ -464,7 +464,15 @@ fn on_claim(vm: &Vm, mut req: ClaimReq, value: Vec<u8>, way: Way, result: Result
             retry(vm, req);
         }
         Ok(TxnResult { current: Some(kv), .. }) => {
-            let (entry, response) = match decode_entry(&kv.value) {
+            // An entry must be of this key: a value copied from another key is foreign.
+            let decoded = decode_entry(&kv.value).and_then(|(entry, response)| {
+                if entry.key == req.tag {
+                    Ok((entry, response))
+                } else {
+                    Err(crate::entry::Corrupt("entry: of another key"))
+                }
+            });
+            let (entry, response) = match decoded {
                 Ok(decoded) => decoded,
                 Err(e) => {
                     let p = vm.store_problem(crate::engine::StoreError::Corrupt(e.0), policy.retry_after_s);

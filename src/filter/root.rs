@@ -182,7 +182,7 @@ fn check_body_delivery(vm: &Vm, now: u64) {
 /// enough to delay its timer by hundreds of milliseconds is busy with requests, and those
 /// renew the marks on time. etcd renewals need the root (their answers come back to it).
 pub(super) fn renew(vm: &Vm, now: u64, from_root: bool) {
-    if now < vm.next_renewal_ms.get() {
+    if (!from_root && vm.etcd.is_some()) || now < vm.next_renewal_ms.get() {
         return;
     }
     let min_lease = std::iter::once(&vm.config.policy).chain(vm.config.rules.iter().map(|r| &r.policy)).map(|p| p.lease_ms).min().unwrap_or(10_000);

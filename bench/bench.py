@@ -1,0 +1,944 @@
+#!/usr/bin/env python3
+"""Performance: the plugin against bare Envoy, measured in one run (`make bench`).
+
+Processes (all on 127.0.0.1, each stopped through its own PID):
+  - an upstream Envoy answering by itself (direct_response: 201 + a small JSON body, or
+    1 KiB on /kib), so the upstream is never the bottleneck;
+  - the Python test upstream (tests/upstream.py), only for the one slow request that keeps
+    the conflict key in progress (case B4);
+  - etcd (tests/etcd_util.Etcd) for the fleet-store case;
+  - the Envoy under test, Envoy 1.40.0 with --concurrency 2, one listener per case family:
+      bare   no plugin, route to the upstream                        -> A (POST), A (GET)
+      local  no plugin, direct_response (Envoy answers by itself)    -> C
+      plugin the plugin, default config (forward "detached")         -> B1 B2 B3 B4
+      router the plugin, forward "router"                            -> B2 router
+      etcd   the plugin, store etcd                                  -> B2 etcd
+    Each plugin listener has its own vm_id and namespace (its own VMs and table).
+
+Load: wrk (one thread pinned to core 1, 32 keep-alive connections, 4 s per run) with
+bench/unique.lua (a new Idempotency-Key per request) or bench/fixed.lua (one request,
+formatted once). The cases are interleaved: every round runs every case, in an order rotated
+by one each round (5 rounds); the figures are the medians over the rounds. Every run is
+checked: statuses (wrk counts answers > 399) and the plugin's own counters (claimed,
+completed, replayed, conflict) must say that the path under test is the one that ran. The
+CPU time the Envoy under test used per request is recorded too: it moves less than req/s
+when other work shares the machine.
+
+Then memory: a fresh Envoy with the plugin (capacity 16,384), RSS (and tcmalloc's bytes in
+use) before and after 10,000 unique keys whose upstream answer is 1 KiB; the control is the
+same number of requests without a key on the same listener.
+
+Writes docs/bench/results.json, results.md and chart.svg; the last line printed is
+`RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`.
+"""
+
+import argparse
+import datetime
+import hashlib
+import http.client
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
+
+from harness import (LOCALHOST, Upstream, envoy_binary, free_port, port_accepts,  # noqa: E402
+                     request, static_cluster, to_yaml, unique_base_id, wasm_filter,
+                     wasm_path)
+
+HOST = "bench"  # the :authority of every request (it is part of the store key)
+BODY = b'{"amount":10}'  # what bench/*.lua send
+UPSTREAM_BODY = '{"id":"pay_1","status":"created"}'
+KIB_BODY = ("0123456789abcdef" * 64)[:1024]
+ROUTER = {"name": "envoy.filters.http.router", "typed_config": {
+    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
+# A direct_response sent before the request's body is read makes Envoy close the connection
+# (`connection: close`): every request would open a new one. The buffer filter holds the
+# request until its body is complete, so Envoy answers a whole request and keeps the
+# connection, as the plugin does (it reads the whole body before it answers).
+BUFFER = {"name": "envoy.filters.http.buffer", "typed_config": {
+    "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+    "max_request_bytes": 65536}}
+JSON_HEADER = [{"header": {"key": "content-type", "value": "application/json"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+
+# The cases, in their base order. family: which listener; script: which wrk script;
+# expect: what every answer must be, checked with wrk's error count and the plugin's counters.
+CASES = [
+    # Through the upstream: against A.
+    {"id": "A", "label": "A: Envoy, no plugin (POST)", "listener": "bare",
+     "script": "unique", "method": "POST", "expect": "2xx"},
+    # B1's request (a GET) without the plugin: a POST costs Envoy more (its body), so B1 is
+    # compared with the same GET.
+    {"id": "A_GET", "label": "A: Envoy, no plugin (GET)", "listener": "bare",
+     "script": "unique", "method": "GET", "expect": "2xx"},
+    {"id": "B1", "label": "B1: plugin, request not covered (GET)", "listener": "plugin",
+     "script": "unique", "method": "GET", "expect": "2xx"},
+    {"id": "B2_detached", "label": "B2: plugin, first call, detached", "listener": "plugin",
+     "script": "unique", "method": "POST", "expect": "claimed"},
+    {"id": "B2_router", "label": "B2: plugin, first call, router", "listener": "router",
+     "script": "unique", "method": "POST", "expect": "claimed"},
+    {"id": "B2_etcd", "label": "B2: plugin, first call, etcd store", "listener": "etcd",
+     "script": "unique", "method": "POST", "expect": "claimed"},
+    # Answered by Envoy itself: against C.
+    {"id": "C", "label": "C: Envoy answers by itself", "listener": "local",
+     "script": "fixed", "expect": "2xx"},
+    {"id": "B3", "label": "B3: plugin, replay", "listener": "plugin",
+     "script": "fixed", "expect": "replayed"},
+    {"id": "B4", "label": "B4: plugin, conflict (409)", "listener": "plugin",
+     "script": "fixed", "expect": "conflict"},
+]
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+# --- processes ------------------------------------------------------------------------
+
+
+def pinned(cmd, cpus):
+    """cmd under `taskset -c cpus` (taskset execs it: the PID is the program's own)."""
+    if cpus and shutil.which("taskset"):
+        return ["taskset", "-c", cpus] + cmd
+    return cmd
+
+
+class EnvoyProc:
+    """An Envoy on a bootstrap we build here (several listeners), stopped by its own PID."""
+
+    def __init__(self, name, config, concurrency, cpus=None, start_timeout=90):
+        self.name = name
+        self.tmp = tempfile.mkdtemp(prefix=f"idem-bench-{name}-")
+        self.admin_port = config["admin"]["address"]["socket_address"]["port_value"]
+        self.ports = [lst["address"]["socket_address"]["port_value"]
+                      for lst in config["static_resources"]["listeners"]]
+        path = os.path.join(self.tmp, "envoy.yaml")
+        with open(path, "w") as f:
+            f.write(to_yaml(config))
+        self.log_path = os.path.join(self.tmp, "envoy.log")
+        self.stdio = open(os.path.join(self.tmp, "envoy.stdio"), "wb")
+        cmd = [envoy_binary(), "-c", path, "--concurrency", str(concurrency),
+               "--base-id", str(unique_base_id(self.admin_port)), "--disable-hot-restart",
+               "--log-level", "warning", "--component-log-level", "wasm:warning",
+               "--log-path", self.log_path]
+        self.proc = subprocess.Popen(pinned(cmd, cpus), stdout=self.stdio,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy {name} exited: {self.log_tail()}")
+            if self.live() and all(port_accepts(p) for p in self.ports):
+                break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"envoy {name} not ready after {start_timeout}s")
+            time.sleep(0.1)
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def live(self):
+        try:
+            return request(self.admin_port, "GET", "/ready", timeout=1).text.strip() == "LIVE"
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def counters(self):
+        """The plugin's counters and gauges, summed over its VMs: {short name: value}."""
+        q = "/stats?format=json&filter=" + urllib.parse.quote(r"^wasmcustom\.")
+        data = json.loads(request(self.admin_port, "GET", q, timeout=10).text)
+        out = {}
+        for s in data.get("stats", []):
+            if isinstance(s.get("value"), int):
+                short = s["name"].rsplit(".", 1)[-1]
+                out[short] = out.get(short, 0) + s["value"]
+        return out
+
+    def cpu_s(self):
+        """CPU time (user + system) the process has used, in seconds."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss(self):
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def log_tail(self, n=30):
+        text = ""
+        for p in (os.path.join(self.tmp, "envoy.stdio"), self.log_path):
+            try:
+                with open(p, errors="replace") as f:
+                    text += f.read()
+            except FileNotFoundError:
+                pass
+        return "\n".join(text.splitlines()[-n:])
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.stdio.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def listener(name, port, routes, filters=()):
+    return {
+        "name": name,
+        "address": {"socket_address": {"address": LOCALHOST, "port_value": port}},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                         "http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": name,
+                "route_config": {"name": name, "virtual_hosts": [
+                    {"name": "all", "domains": ["*"], "routes": routes}]},
+                "http_filters": list(filters) + [ROUTER],
+            }}]}],
+    }
+
+
+def to_cluster(cluster):
+    return {"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": "30s"}}
+
+
+def direct(status, body, prefix="/"):
+    return {"match": {"prefix": prefix},
+            "direct_response": {"status": status, "body": {"inline_string": body}},
+            "response_headers_to_add": JSON_HEADER}
+
+
+def bootstrap(listeners, clusters):
+    return {"admin": {"address": {"socket_address": {"address": LOCALHOST,
+                                                     "port_value": free_port()}}},
+            "static_resources": {"listeners": listeners, "clusters": clusters}}
+
+
+def upstream_envoy(cpus):
+    """The upstream: Envoy answering 201 by itself (1 KiB on /kib)."""
+    port = free_port()
+    routes = [direct(201, KIB_BODY, "/kib"), direct(201, UPSTREAM_BODY)]
+    env = EnvoyProc("upstream", bootstrap([listener("upstream", port, routes, [BUFFER])], []),
+                    concurrency=1, cpus=cpus)
+    env.port = port
+    return env
+
+
+def plugin(config, name, wasm):
+    return wasm_filter(config, vm_id=f"bench_{name}", wasm=wasm)
+
+
+def front_envoy(wasm, upstream_port, slow_port, etcd_port, capacity, cpus):
+    ports = {n: free_port() for n in ("bare", "local", "plugin", "router", "etcd")}
+    base = {"capacity": capacity}
+    # lease_ms 2000 (renewed every 500 ms): the conflict case's slow call (several seconds)
+    # only stays in progress because its lease is renewed.
+    p_conf = dict(base, namespace="bench_plugin", lease_ms=2000)
+    r_conf = dict(base, namespace="bench_router", forward="router")
+    e_conf = {"namespace": "bench_etcd", "store": {"kind": "etcd", "cluster": "etcd"}}
+    slow_route = {"match": {"prefix": "/", "headers": [
+        {"name": "x-bench-slow", "present_match": True}]},
+        "route": {"cluster": "slow", "timeout": "60s"}}
+    listeners = [
+        listener("bare", ports["bare"], [to_cluster("upstream")]),
+        listener("local", ports["local"], [direct(201, UPSTREAM_BODY)], [BUFFER]),
+        listener("plugin", ports["plugin"], [slow_route, to_cluster("upstream")],
+                 [plugin(p_conf, "plugin", wasm)]),
+        listener("router", ports["router"], [to_cluster("upstream")],
+                 [plugin(r_conf, "router", wasm)]),
+    ]
+    clusters = [static_cluster("upstream", upstream_port), static_cluster("slow", slow_port)]
+    if etcd_port:
+        listeners.append(listener("etcd", ports["etcd"], [to_cluster("upstream")],
+                                  [plugin(e_conf, "etcd", wasm)]))
+        clusters.append(static_cluster("etcd", etcd_port))
+    else:
+        del ports["etcd"]
+    env = EnvoyProc("front", bootstrap(listeners, clusters), concurrency=2, cpus=cpus)
+    env.listener_ports = ports
+    return env
+
+
+def memory_envoy(wasm, upstream_port, capacity, cpus):
+    ports = {"plugin": free_port()}
+    conf = {"namespace": "bench_mem", "capacity": capacity}
+    listeners = [listener("plugin", ports["plugin"], [to_cluster("upstream")],
+                          [plugin(conf, "mem", wasm)])]
+    env = EnvoyProc("memory", bootstrap(listeners, [static_cluster("upstream", upstream_port)]),
+                    concurrency=2, cpus=cpus)
+    env.listener_ports = ports
+    return env
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+def post(port, key, path="/payments", extra=None, timeout=10):
+    headers = [("Host", HOST), ("Content-Type", "application/json")]
+    if key is not None:
+        headers.append(("Idempotency-Key", key))
+    headers += list(extra or [])
+    return request(port, "POST", path, headers, BODY, timeout=timeout)
+
+
+def open_slow_call(port, key, delay_ms):
+    """Sends the first request of `key` to the slow upstream and leaves it in flight.
+
+    Same method, path, content-type and body as fixed.lua (same fingerprint); the extra
+    headers are not part of it. Detached forwarding: the call goes on whatever the client
+    does; the socket is kept open anyway and closed by the caller.
+    """
+    head = (f"POST /payments HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(BODY)}\r\nIdempotency-Key: {key}\r\n"
+            f"x-bench-slow: 1\r\nx-delay-ms: {delay_ms}\r\n\r\n").encode()
+    sock = socket.create_connection((LOCALHOST, port), timeout=5)
+    sock.sendall(head + BODY)
+    return sock
+
+
+def send_many(port, keys, path, threads=8):
+    """POSTs each key once on keep-alive connections; returns a {status: count}."""
+    statuses = {}
+    lock = threading.Lock()
+    it = iter(keys)
+
+    def worker():
+        conn = http.client.HTTPConnection(LOCALHOST, port, timeout=30)
+        local = {}
+        while True:
+            with lock:
+                key = next(it, None)
+            if key is None:
+                break
+            headers = [("Host", HOST), ("Content-Type", "application/json")]
+            if key:
+                headers.append(("Idempotency-Key", key))
+            try:
+                status = request(port, "POST", path, headers, BODY, conn=conn).status
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                conn = http.client.HTTPConnection(LOCALHOST, port, timeout=30)
+                status = request(port, "POST", path, headers, BODY, conn=conn).status
+            local[status] = local.get(status, 0) + 1
+        conn.close()
+        with lock:
+            for s, n in local.items():
+                statuses[s] = statuses.get(s, 0) + n
+
+    ts = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(300)
+    return statuses
+
+
+def get_many(port, n, path):
+    for _ in range(n):
+        request(port, "GET", path, [("Host", HOST)], timeout=10)
+
+
+# --- wrk ------------------------------------------------------------------------------
+
+
+def run_wrk(port, case, args, duration, prefix=None, key=None, cpus=None):
+    script = os.path.join(BENCH_DIR, f"{case['script']}.lua")
+    cmd = ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{duration}s",
+           "--timeout", "5s", "-s", script, f"http://{LOCALHOST}:{port}/payments", "--"]
+    if case["script"] == "unique":
+        cmd += [prefix, case["method"], "/payments", HOST]
+    else:
+        cmd += [key, "/payments", HOST]
+    out = subprocess.run(pinned(cmd, cpus), capture_output=True, text=True,
+                         timeout=duration + 30, stdin=subprocess.DEVNULL)
+    m = re.search(r"^WRKJSON (\{.*\})$", out.stdout, re.M)
+    if not m:
+        raise RuntimeError(f"wrk gave no result: {out.stdout}\n{out.stderr}")
+    r = json.loads(m.group(1))
+    r["rps"] = r["requests"] / (r["duration_us"] / 1e6)
+    return r
+
+
+def check_run(case, r, delta, connections):
+    """Problems with a run, as strings (empty: the answers were those of the case)."""
+    n = r["requests"]
+    bad = []
+    socket_errors = r["connect_errors"] + r["read_errors"] + r["write_errors"] + r["timeouts"]
+    if socket_errors:
+        bad.append(f"{socket_errors} socket errors/timeouts")
+    if n == 0:
+        return bad + ["no request completed"]
+    expect = case["expect"]
+    if expect == "conflict":
+        if r["status_errors"] != n:
+            bad.append(f"{n - r['status_errors']} of {n} answers were not errors (409 expected)")
+        if delta.get("conflict", 0) < n:
+            bad.append(f"conflict counter +{delta.get('conflict', 0)} < {n} requests")
+    elif r["status_errors"]:
+        bad.append(f"{r['status_errors']} answers > 399")
+    if expect == "claimed":
+        claimed, completed = delta.get("claimed", 0), delta.get("completed", 0)
+        if not n <= claimed <= n + connections:
+            bad.append(f"claimed +{claimed} for {n} requests")
+        if completed < n - connections:
+            bad.append(f"completed +{completed} for {n} requests")
+    if expect == "replayed" and delta.get("replayed", 0) < n:
+        bad.append(f"replayed +{delta.get('replayed', 0)} < {n} requests")
+    if expect == "2xx" and delta.get("claimed", 0):
+        bad.append(f"claimed +{delta['claimed']} on a case that must not claim")
+    for c in ("store_full", "store_error", "upstream_failed", "released"):
+        if delta.get(c):
+            bad.append(f"{c} +{delta[c]}")
+    return bad
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+def machine_info():
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    envoy_version = subprocess.run([envoy_binary(), "--version"], capture_output=True,
+                                   text=True).stdout.strip()
+    m = re.search(r"/(\d+\.\d+\.\d+)/", envoy_version)
+    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu,
+        "kernel": platform.release(),
+        "envoy_version": m.group(1) if m else envoy_version,
+        "wrk_version": (wrk_version.split("[")[0].replace("wrk", "").strip()
+                        if wrk_version else "unknown"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "loadavg_start": os.getloadavg()[0],
+    }
+
+
+def median(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=int, default=4, help="seconds per measured run")
+    ap.add_argument("--warmup", type=int, default=1, help="seconds of warm-up per case")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--connections", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--capacity", type=int, default=262144,
+                    help="table size of the first-call listeners (every key stays stored)")
+    ap.add_argument("--memory-keys", type=int, default=10000)
+    ap.add_argument("--memory-capacity", type=int, default=16384)
+    two = (os.cpu_count() or 1) >= 2
+    # Both Envoys may use cores 0-1; wrk (one thread) stays on core 1, so it never migrates.
+    # On 2 cores, pinning wrk gave the highest and steadiest figures; putting the Envoy under
+    # test on one core and wrk plus the upstream on the other gave the lowest.
+    ap.add_argument("--cpus-envoy", default="0-1" if two else "",
+                    help="taskset list for the Envoy under test ('' = no pinning)")
+    ap.add_argument("--cpus-upstream", default="0-1" if two else "",
+                    help="taskset list for the upstream Envoy")
+    ap.add_argument("--cpus-wrk", default="1" if two else "", help="taskset list for wrk")
+    ap.add_argument("--no-etcd", action="store_true")
+    ap.add_argument("--cases", default="", help="comma-separated case ids (default: all)")
+    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "docs", "bench"))
+    args = ap.parse_args()
+
+    if not shutil.which("wrk"):
+        sys.exit("wrk not found (make bench installs it)")
+    src_wasm = wasm_path()
+    if not os.path.isfile(src_wasm):
+        sys.exit(f"no plugin at {src_wasm}: run make build")
+    started = time.monotonic()
+    info = machine_info()
+    work = tempfile.mkdtemp(prefix="idem-bench-")
+    wasm = os.path.join(work, "idempotency.wasm")
+    shutil.copyfile(src_wasm, wasm)  # a rebuild of dist/ during the run changes nothing
+    with open(wasm, "rb") as f:
+        wasm_bytes = f.read()
+    info["wasm_bytes"] = len(wasm_bytes)
+    info["wasm_sha256"] = hashlib.sha256(wasm_bytes).hexdigest()[:16]
+    log(f"machine: {info['nproc']} cores, {info['cpu_model']}, kernel {info['kernel']}, "
+        f"Envoy {info['envoy_version']}, wrk {info['wrk_version']}, "
+        f"load {info['loadavg_start']:.2f}")
+    log(f"plugin: {src_wasm}: {len(wasm_bytes):,} bytes ({len(wasm_bytes) / 1024:.0f} KiB)")
+
+    cases = CASES
+    etcd = None
+    if args.no_etcd or not shutil.which("etcd"):
+        cases = [c for c in cases if c["id"] != "B2_etcd"]
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        cases = [c for c in cases if c["id"] in wanted]
+    procs = []
+    slow = up = front = None
+    try:
+        if any(c["id"] == "B2_etcd" for c in cases):
+            from etcd_util import Etcd
+            etcd = Etcd()
+        slow = Upstream()
+        up = upstream_envoy(args.cpus_upstream)
+        procs.append(up)
+        t0 = time.monotonic()
+        front = front_envoy(wasm, up.port, slow.port, etcd.port if etcd else None,
+                            args.capacity, args.cpus_envoy)
+        procs.append(front)
+        log(f"envoy under test ready in {time.monotonic() - t0:.1f} s (pid {front.pid}, "
+            f"upstream envoy pid {up.pid}); pinning: envoy={args.cpus_envoy or 'any'} "
+            f"upstream={args.cpus_upstream or 'any'} wrk={args.cpus_wrk or 'any'}")
+        ports = front.listener_ports
+        nonce = os.urandom(4).hex()
+
+        # Functional checks: each listener does what its cases assume.
+        r = post(ports["bare"], f"chk-{nonce}")
+        assert r.status == 201 and r.header("idempotent-replayed") is None, r
+        assert post(ports["local"], None).status == 201
+        for fam in [c["listener"] for c in cases if c["expect"] == "claimed"]:
+            k = f"chk-{fam}-{nonce}"
+            first, again = post(ports[fam], k), post(ports[fam], k)
+            assert first.status == 201 and again.header("idempotent-replayed") == "true", \
+                (fam, first, again)
+        replay_key = f"replay-{nonce}"
+        first, again = post(ports["plugin"], replay_key), post(ports["plugin"], replay_key)
+        assert first.status == 201 and again.header("idempotent-replayed") == "true", again
+
+        runs = {c["id"]: [] for c in cases}
+        problems = []
+        slow_delay_ms = (args.duration + 4) * 1000  # outlives the run, > 2 x lease_ms
+
+        def run_case(case, duration, tag):
+            port = ports[case["listener"]]
+            sock = None
+            key = replay_key
+            if case["id"] == "B4":
+                key = f"conflict-{tag}-{nonce}"
+                claimed = front.counters().get("claimed", 0)
+                sock = open_slow_call(ports["plugin"], key, slow_delay_ms)
+                # Wait for its claim (nothing else runs now) before any other request of
+                # that key: one sent earlier could win the claim itself.
+                deadline = time.monotonic() + 5
+                while front.counters().get("claimed", 0) <= claimed:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the slow call did not claim its key")
+                    time.sleep(0.02)
+                status = post(port, key).status
+                if status != 409:
+                    raise RuntimeError(f"the slow call's key answers {status}, not 409")
+            before = front.counters()
+            cpu0 = (front.cpu_s(), up.cpu_s())
+            try:
+                r = run_wrk(port, case, args, duration, prefix=f"{case['id']}-{tag}-{nonce}",
+                            key=key, cpus=args.cpus_wrk)
+                cpu1 = (front.cpu_s(), up.cpu_s())
+                # CPU per request: steadier than req/s on a shared machine.
+                r["envoy_cpu_us"] = (cpu1[0] - cpu0[0]) / max(r["requests"], 1) * 1e6
+                r["upstream_cpu_us"] = (cpu1[1] - cpu0[1]) / max(r["requests"], 1) * 1e6
+                time.sleep(0.2)  # let the last in-flight detached calls complete
+                after = front.counters()
+                if case["id"] == "B4":
+                    # The mark outlived several lease_ms thanks to renewal: still 409 now.
+                    still = post(port, key).status
+                    if still != 409:
+                        problems.append(f"{case['id']} {tag}: after the run the key "
+                                        f"answered {still}, not 409")
+            finally:
+                if sock:
+                    sock.close()
+            delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            return r, delta
+
+        log(f"warm-up: {args.warmup} s per case")
+        for case in cases:
+            run_case(case, args.warmup, "warm")
+
+        log(f"measuring: {len(cases)} cases x {args.rounds} rounds x {args.duration} s, "
+            f"wrk -t{args.threads} -c{args.connections}, interleaved")
+        for rnd in range(args.rounds):
+            order = cases[rnd % len(cases):] + cases[:rnd % len(cases)]
+            for case in order:
+                r, delta = run_case(case, args.duration, f"r{rnd}")
+                bad = check_run(case, r, delta, args.connections)
+                r["round"] = rnd
+                r["counters"] = {k: v for k, v in delta.items() if v}
+                r["problems"] = bad
+                runs[case["id"]].append(r)
+                if bad:
+                    problems.append(f"{case['id']} round {rnd}: " + "; ".join(bad))
+                log(f"  round {rnd + 1} {case['id']:<12} {r['rps']:>9.0f} req/s  "
+                    f"p50 {r['p50_us'] / 1000:6.2f} ms  p99 {r['p99_us'] / 1000:6.2f} ms  "
+                    f"envoy {r['envoy_cpu_us']:5.0f} us CPU/req"
+                    + (f"  !! {'; '.join(bad)}" if bad else ""))
+        front.stop()
+        procs.remove(front)
+        front = None
+
+        # Memory: bytes per stored entry, 1 KiB responses.
+        log(f"memory: capacity {args.memory_capacity}, {args.memory_keys} keys, "
+            f"1 KiB answers")
+        mem_env = memory_envoy(wasm, up.port, args.memory_capacity, args.cpus_envoy)
+        procs.append(mem_env)
+        mem = measure_memory(mem_env, args.memory_keys, nonce, args.memory_capacity)
+        if mem["statuses"] != {"201": args.memory_keys} or mem["completed"] != args.memory_keys \
+                or mem["replayed_header"] != "true":
+            problems.append(f"memory: statuses {mem['statuses']}, completed "
+                            f"{mem['completed']}, replay {mem['replayed_header']}")
+        mem_env.stop()
+        procs.remove(mem_env)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        if slow:
+            slow.stop()
+        if etcd:
+            etcd.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    info["loadavg_end"] = os.getloadavg()[0]
+    summary = summarize(cases, runs)
+    ratios = compute_ratios(summary)
+    cpu_ratios = compute_cpu_ratios(summary)
+    results = {
+        "machine": info,
+        "method": {
+            "wrk": f"-t{args.threads} -c{args.connections} -d{args.duration}s",
+            "rounds": args.rounds, "warmup_s": args.warmup,
+            "pinning": {"envoy": args.cpus_envoy or "any",
+                        "upstream": args.cpus_upstream or "any",
+                        "wrk": args.cpus_wrk or "any"},
+            "envoy_concurrency": 2, "upstream": "Envoy direct_response (concurrency 1)",
+            "capacity_first_call": args.capacity,
+        },
+        "cases": summary,
+        "runs": runs,
+        "ratios": ratios,
+        "cpu_ratios": cpu_ratios,
+        "memory": mem,
+        "problems": problems,
+        "elapsed_s": round(time.monotonic() - started, 1),
+    }
+    write_outputs(args.out, results)
+    print_table(summary, mem, info, problems)
+    log(f"wrote {os.path.relpath(args.out, REPO_ROOT)}/results.json, results.md, chart.svg "
+        f"({results['elapsed_s']:.0f} s)")
+    log("CPU per request, same pairs (cost x): " + " ".join(
+        f"{k}={v:.2f}" for k, v in cpu_ratios.items()))
+    log("RATIOS " + " ".join(f"{k}={v:.2f}" for k, v in ratios.items()))
+
+
+def measure_memory(env, n, nonce, capacity):
+    """Envoy's RSS (and tcmalloc's bytes in use) per stored entry, 1 KiB answers.
+
+    Same listener, same route, same 1 KiB answers for the warm-up, the control and the
+    measurement; only the measurement's requests carry a key (covered: stored). The control
+    (as many requests without a key) shows what serving alone leaves behind.
+    """
+    port = env.listener_ports["plugin"]
+    get_many(port, 300, "/kib")
+    send_many(port, [""] * 2000, "/kib")
+
+    def snapshot():
+        time.sleep(1.5)  # let completions and frees settle
+        samples = []
+        for _ in range(5):
+            samples.append(env.rss())
+            time.sleep(0.1)
+        heap = json.loads(request(env.admin_port, "GET", "/memory", timeout=10).text)
+        return int(median(samples)), int(heap.get("allocated", 0)), \
+            int(heap.get("pageheap_free", 0))
+
+    rss0, alloc0, free0 = snapshot()
+    control = send_many(port, [""] * n, "/kib")
+    rss1, alloc1, free1 = snapshot()
+    before = env.counters()
+    stored = send_many(port, [f"mem-{nonce}-{i}" for i in range(n)], "/kib")
+    rss2, alloc2, free2 = snapshot()
+    after = env.counters()
+    # One replay: what one stored entry holds (status, headers, 1 KiB body).
+    replay = post(port, f"mem-{nonce}-0", path="/kib")
+    headers = [(k, v) for k, v in replay.headers
+               if k.lower() not in ("content-length", "idempotent-replayed", "connection",
+                                    "transfer-encoding")]
+    header_bytes = sum(6 + len(k) + len(v) for k, v in headers)
+    return {
+        "capacity": capacity,
+        "keys": n,
+        "statuses": {str(k): v for k, v in stored.items()},
+        "statuses_control": {str(k): v for k, v in control.items()},
+        "completed": after.get("completed", 0) - before.get("completed", 0),
+        "entries_completed_gauge": after.get("entries_completed", 0),
+        "replay_status": replay.status,
+        "replayed_header": replay.header("idempotent-replayed"),
+        "rss": [rss0, rss1, rss2],
+        "heap_allocated": [alloc0, alloc1, alloc2],
+        "pageheap_free": [free0, free1, free2],
+        "bytes_per_entry": round((rss2 - rss1) / n),
+        "heap_bytes_per_entry": round((alloc2 - alloc1) / n),
+        "control_bytes_per_request": round((rss1 - rss0) / n),
+        "stored_body_bytes": len(replay.body),
+        "stored_header_bytes": header_bytes,
+        # README's bound: 93 (Envoy per key) + 34 (our framing) + H + R per stored entry.
+        "model_bytes_per_entry": 93 + 34 + header_bytes + len(replay.body),
+    }
+
+
+def summarize(cases, runs):
+    out = []
+    for c in cases:
+        rs = runs[c["id"]]
+        out.append({
+            "id": c["id"], "label": c["label"],
+            "rps": round(median([r["rps"] for r in rs]), 1),
+            "rps_min": round(min(r["rps"] for r in rs), 1),
+            "rps_max": round(max(r["rps"] for r in rs), 1),
+            "p50_ms": round(median([r["p50_us"] for r in rs]) / 1000, 3),
+            "p99_ms": round(median([r["p99_us"] for r in rs]) / 1000, 3),
+            "envoy_cpu_us": round(median([r["envoy_cpu_us"] for r in rs]), 1),
+            "upstream_cpu_us": round(median([r["upstream_cpu_us"] for r in rs]), 1),
+            "requests": sum(r["requests"] for r in rs),
+            "status_errors": sum(r["status_errors"] for r in rs),
+            "ok": all(not r["problems"] for r in rs),
+        })
+    return out
+
+
+def compute_ratios(summary):
+    rps = {s["id"]: s["rps"] for s in summary}
+
+    def ratio(a, b):
+        return rps[a] / rps[b] if rps.get(a) and rps.get(b) else float("nan")
+    return {"passthrough": ratio("B1", "A_GET"), "first_call": ratio("B2_detached", "A"),
+            "replay": ratio("B3", "C"), "conflict": ratio("B4", "C")}
+
+
+def compute_cpu_ratios(summary):
+    """The same pairs as the RATIOS, as CPU per request of the Envoy under test (cost x)."""
+    cpu = {s["id"]: s["envoy_cpu_us"] for s in summary}
+
+    def ratio(a, b):
+        return cpu[a] / cpu[b] if cpu.get(a) and cpu.get(b) else float("nan")
+    return {"passthrough": ratio("B1", "A_GET"), "first_call": ratio("B2_detached", "A"),
+            "replay": ratio("B3", "C"), "conflict": ratio("B4", "C")}
+
+
+def table_lines(summary):
+    lines = ["| case | req/s (median) | min–max | p50 ms | p99 ms | Envoy CPU µs/req | "
+             "checks |", "|---|---:|---:|---:|---:|---:|---|"]
+    for s in summary:
+        lines.append(f"| {s['label']} | {s['rps']:,.0f} | {s['rps_min']:,.0f}–"
+                     f"{s['rps_max']:,.0f} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
+                     f"{s['envoy_cpu_us']:.0f} | {'ok' if s['ok'] else 'FAILED'} |")
+    return lines
+
+
+def print_table(summary, mem, info, problems):
+    log("")
+    w = max(len(s["label"]) for s in summary)
+    log(f"{'case':<{w}}  {'req/s':>9}  {'min':>8}  {'max':>8}  {'p50 ms':>7}  {'p99 ms':>7}"
+        f"  {'CPU us/req':>10}")
+    for s in summary:
+        log(f"{s['label']:<{w}}  {s['rps']:>9,.0f}  {s['rps_min']:>8,.0f}  "
+            f"{s['rps_max']:>8,.0f}  {s['p50_ms']:>7.2f}  {s['p99_ms']:>7.2f}"
+            f"  {s['envoy_cpu_us']:>10.0f}"
+            + ("" if s["ok"] else "  FAILED"))
+    log("")
+    log(f"memory: {mem['bytes_per_entry']:,} bytes of Envoy RSS per stored entry, "
+        f"{mem['heap_bytes_per_entry']:,} bytes of heap in use ({mem['keys']:,} keys, "
+        f"{mem['stored_body_bytes']} B body + {mem['stored_header_bytes']} B headers each; "
+        f"README model {mem['model_bytes_per_entry']:,} B); control (same requests "
+        f"without a key): {mem['control_bytes_per_request']:,} B per request")
+    log(f"plugin size: {info['wasm_bytes']:,} bytes")
+    for p in problems:
+        log(f"PROBLEM {p}")
+
+
+def write_outputs(out, results):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out, "chart.svg"), "w") as f:
+        f.write(svg_chart(results["cases"], results["machine"]))
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown(results))
+
+
+def markdown(res):
+    m, meth, mem, ratios = res["machine"], res["method"], res["memory"], res["ratios"]
+    cpu_ratios = res["cpu_ratios"]
+    pin = meth["pinning"]
+    lines = [
+        "# Benchmark: the plugin against bare Envoy",
+        "",
+        f"Generated by `make bench` (bench/bench.py) on {m['date']}. Figures are medians of "
+        f"{meth['rounds']} interleaved rounds of `wrk {meth['wrk']}` per case "
+        f"(after {meth['warmup_s']} s of warm-up per case); min–max is the spread over the "
+        "rounds. The machine is shared: absolute numbers move from run to run, the ratios "
+        "within one run are the result.",
+        "",
+        "![req/s per case](chart.svg)",
+        "",
+    ] + table_lines(res["cases"]) + [
+        "",
+        "| ratio (req/s) | value | Envoy CPU per request (×) | meaning |",
+        "|---|---:|---:|---|",
+        f"| passthrough = B1/A (GET) | {ratios['passthrough']:.2f} | "
+        f"{cpu_ratios['passthrough']:.2f} | a request the plugin does not cover |",
+        f"| first_call = B2 detached/A (POST) | {ratios['first_call']:.2f} | "
+        f"{cpu_ratios['first_call']:.2f} | claim, upstream, store |",
+        f"| replay = B3/C | {ratios['replay']:.2f} | {cpu_ratios['replay']:.2f} | "
+        "stored answer against Envoy's own |",
+        f"| conflict = B4/C | {ratios['conflict']:.2f} | {cpu_ratios['conflict']:.2f} | "
+        "409 against Envoy's own answer |",
+        "",
+        "## Memory",
+        "",
+        f"Envoy RSS per stored entry with 1 KiB responses: **{mem['bytes_per_entry']:,} "
+        f"bytes**; heap in use (tcmalloc `allocated`, admin `/memory`): "
+        f"**{mem['heap_bytes_per_entry']:,} bytes** per entry. {mem['keys']:,} unique keys "
+        f"through the plugin (capacity {mem['capacity']:,}); each entry stores "
+        f"{mem['stored_body_bytes']} B of body and {mem['stored_header_bytes']} B of headers; "
+        f"the README's model says {mem['model_bytes_per_entry']:,} B. Control: the same "
+        f"number of requests without a key (not covered, nothing stored) on the same "
+        f"listener: {mem['control_bytes_per_request']:,} B of RSS per request. RSS: "
+        f"{mem['rss'][0] / 2**20:.1f} MiB after warm-up, {mem['rss'][1] / 2**20:.1f} MiB "
+        f"after the control, {mem['rss'][2] / 2**20:.1f} MiB after storing; RSS can grow "
+        "less than the heap when tcmalloc still had free pages (`pageheap_free`: "
+        f"{mem['pageheap_free'][1] / 2**20:.1f} MiB before, "
+        f"{mem['pageheap_free'][2] / 2**20:.1f} MiB after).",
+        "",
+        f"Plugin size: `dist/idempotency.wasm` is {m['wasm_bytes']:,} bytes "
+        f"({m['wasm_bytes'] / 1024:.0f} KiB).",
+        "",
+        "## Machine",
+        "",
+        f"- cores (`nproc`): {m['nproc']}",
+        f"- CPU: {m['cpu_model']}",
+        f"- kernel: {m['kernel']}",
+        f"- Envoy: {m['envoy_version']} (`--concurrency 2`), wrk {m['wrk_version']}",
+        f"- date: {m['date']}",
+        f"- load average (1 min) at start / end: {m['loadavg_start']:.2f} / "
+        f"{m['loadavg_end']:.2f}",
+        f"- pinning (taskset): Envoy under test {pin['envoy']}, upstream Envoy "
+        f"{pin['upstream']}, wrk {pin['wrk']}",
+        "",
+        "## Setup",
+        "",
+        "- Upstream: a second Envoy answering 201 with a 33-byte JSON body by itself "
+        "(`direct_response`), so the upstream is never the bottleneck; the Python test "
+        "upstream only serves the one slow request of B4.",
+        "- A, B1, B2: `bench/unique.lua`, a new `Idempotency-Key` per request: a POST with a "
+        "13-byte JSON body (A, B2), or a GET with the same header (A GET, B1; a GET costs "
+        "Envoy less than a POST, so passthrough compares B1 with A GET). B3, B4, C: "
+        "`bench/fixed.lua`, one POST formatted once.",
+        "- B2 stores every key (default `retention_s`), in a table of "
+        f"{meth['capacity_first_call']:,} entries; B2 etcd uses one local etcd "
+        "(tests/etcd_util.py, data on local disk).",
+        "- B3: one key completed before the run, replayed. B4: per run, one request with a "
+        "new key is sent first to the slow upstream (answering after the run), with "
+        "`lease_ms` 2000: the mark is renewed every 500 ms and the key still answers 409 "
+        "after the run (checked).",
+        "- Each run is checked: wrk's error count and the plugin's counters (claimed, "
+        "completed, replayed, conflict) match the path of the case.",
+        "- Envoy CPU µs/req: user + system CPU time of the Envoy under test during the run "
+        "(/proc/PID/stat) over the requests answered; less sensitive to other load on the "
+        "machine than req/s. The upstream Envoy's own share is in results.json.",
+    ]
+    if res["problems"]:
+        lines += ["", "## Problems seen", ""] + [f"- {p}" for p in res["problems"]]
+    return "\n".join(lines) + "\n"
+
+
+def svg_chart(summary, machine):
+    """Horizontal bars of req/s per case (median), with the min–max spread as a whisker."""
+    row, top, left, width = 34, 58, 290, 430
+    height = top + row * len(summary) + 40
+    vmax = max(s["rps_max"] for s in summary) or 1
+    scale = width / (vmax * 1.08)
+    colors = {"A": "#7f7f7f", "A_GET": "#7f7f7f", "C": "#7f7f7f", "B2_etcd": "#d9822b"}  # grey: no plugin
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" '
+           f'height="{height}" font-family="sans-serif" font-size="13">',
+           f'<rect width="100%" height="100%" fill="white"/>',
+           f'<text x="12" y="24" font-size="16" font-weight="bold">Requests per second '
+           f'(median of rounds; whisker: min–max)</text>',
+           f'<text x="12" y="44" fill="#555">Envoy {esc(machine["envoy_version"])}, '
+           f'--concurrency 2, {machine["nproc"]} cores ({esc(machine["cpu_model"])}), '
+           f'{esc(machine["date"])}</text>']
+    for i, s in enumerate(summary):
+        y = top + i * row
+        if s["id"] == "C" and i:
+            out.append(f'<line x1="12" y1="{y}" x2="{left + width + 80}" y2="{y}" '
+                       f'stroke="#bbb" stroke-dasharray="4 3"/>')
+        w = s["rps"] * scale
+        color = colors.get(s["id"], "#2f6db5")
+        out.append(f'<text x="{left - 8}" y="{y + 17}" text-anchor="end">{esc(s["label"])}'
+                   f'</text>')
+        out.append(f'<rect x="{left}" y="{y + 4}" width="{w:.1f}" height="{row - 12}" '
+                   f'fill="{color}"/>')
+        x0, x1 = left + s["rps_min"] * scale, left + s["rps_max"] * scale
+        ym = y + 4 + (row - 12) / 2
+        out.append(f'<line x1="{x0:.1f}" y1="{ym:.1f}" x2="{x1:.1f}" y2="{ym:.1f}" '
+                   f'stroke="black"/>')
+        for x in (x0, x1):
+            out.append(f'<line x1="{x:.1f}" y1="{ym - 5:.1f}" x2="{x:.1f}" y2="{ym + 5:.1f}" '
+                       f'stroke="black"/>')
+        out.append(f'<text x="{max(w, x1 - left) + left + 6:.1f}" y="{y + 17}">'
+                   f'{s["rps"]:,.0f}</text>')
+    axis_y = top + row * len(summary) + 6
+    out.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + width}" y2="{axis_y}" '
+               f'stroke="#999"/>')
+    step = nice_step(vmax * 1.08 / 5)
+    v = 0
+    while v <= vmax * 1.08:
+        x = left + v * scale
+        out.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" '
+                   f'stroke="#999"/>')
+        out.append(f'<text x="{x:.1f}" y="{axis_y + 18}" text-anchor="middle" fill="#555">'
+                   f'{v:,.0f}</text>')
+        v += step
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def nice_step(x):
+    mag = 10 ** int(f"{x:e}".split("e")[1])
+    for m in (1, 2, 5, 10):
+        if m * mag >= x:
+            return m * mag
+    return 10 * mag
+
+
+def esc(text):
+    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
+
+
+if __name__ == "__main__":
+    main()
