@@ -148,15 +148,25 @@ pub fn decide_entry(entry: Option<&Way>, fingerprint: &Fingerprint, now_ms: u64)
 /// Where the table's keys are and how a store key maps onto them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
-    namespace: String,
     buckets: u32,
+    /// `<namespace>:<buckets>:`, the prefix of every key name (built once: names are made on
+    /// every store access).
+    prefix: String,
 }
 
 impl Layout {
     /// A table that holds at least `capacity` entries: `ceil(capacity / WAYS)` buckets.
     pub fn new(namespace: &str, capacity: usize) -> Layout {
         let buckets = capacity.div_ceil(WAYS).clamp(1, u32::MAX as usize) as u32;
-        Layout { namespace: namespace.to_string(), buckets }
+        Layout { buckets, prefix: format!("{namespace}:{buckets}:") }
+    }
+
+    fn name(&self, kind: char, n: u32) -> String {
+        let mut name = String::with_capacity(self.prefix.len() + 11);
+        name.push_str(&self.prefix);
+        name.push(kind);
+        push_decimal(&mut name, n);
+        name
     }
 
     pub fn buckets(&self) -> u32 {
@@ -169,15 +179,15 @@ impl Layout {
 
     // The bucket count is part of every name, so a table of another size never reads this one.
     fn bucket_key(&self, bucket: u32) -> String {
-        format!("{}:{}:b{bucket}", self.namespace, self.buckets)
+        self.name('b', bucket)
     }
 
     fn data_key(&self, slot: u32) -> String {
-        format!("{}:{}:d{slot}", self.namespace, self.buckets)
+        self.name('d', slot)
     }
 
     fn ready_key(&self) -> String {
-        format!("{}:{}:ready", self.namespace, self.buckets)
+        format!("{}ready", self.prefix)
     }
 
     fn locate(&self, key: &StoreKey) -> (u32, KeyTag) {
@@ -187,6 +197,25 @@ impl Layout {
         head.copy_from_slice(h);
         tag.copy_from_slice(rest.get(..16).unwrap_or(&[0u8; 16]));
         ((u64::from_le_bytes(head) % u64::from(self.buckets)) as u32, tag)
+    }
+}
+
+/// Appends `n` in decimal without the formatting machinery (this is on every store access).
+fn push_decimal(out: &mut String, mut n: u32) {
+    let mut digits = [0u8; 10];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        if let Some(d) = digits.get_mut(i) {
+            *d = b'0' + (n % 10) as u8;
+        }
+        n /= 10;
+        if n == 0 || i == 0 {
+            break;
+        }
+    }
+    for d in digits.get(i..).unwrap_or_default() {
+        out.push(char::from(*d));
     }
 }
 
@@ -331,9 +360,17 @@ impl<S: SharedKv> Table<S> {
 
     /// Applies `change` to the ticket's way if the ticket still owns it (in progress, same gen).
     fn update_owned(&self, t: &Ticket, change: impl Fn(&mut Way)) -> Result<Finish, StoreError> {
+        self.update_owned_from(t, None, change)
+    }
+
+    /// As `update_owned`, trying first with a bucket the caller has just read.
+    fn update_owned_from(&self, t: &Ticket, mut read: Option<(Bucket, u32)>, change: impl Fn(&mut Way)) -> Result<Finish, StoreError> {
         let (bucket_id, way_i) = split_slot(t.slot);
         for _ in 0..MAX_ATTEMPTS {
-            let (mut bucket, cas) = self.read_bucket(bucket_id)?;
+            let (mut bucket, cas) = match read.take() {
+                Some(fresh) => fresh,
+                None => self.read_bucket(bucket_id)?,
+            };
             let mut way = bucket.way(way_i)?;
             if way.state != State::InProgress || way.gen != t.gen || way.key != t.key {
                 return Ok(Finish::Lost);
@@ -370,37 +407,41 @@ impl<S: SharedKv> Table<S> {
 
     /// Completes the key with its response, or without one when it was too large to keep.
     pub fn complete(&self, t: &Ticket, response: Option<&StoredResponse>, now_ms: u64, retention_ms: u64) -> Result<Finish, StoreError> {
+        let mut read = None;
         if let Some(response) = response {
-            if self.write_response(t, response)? == Finish::Lost {
-                return Ok(Finish::Lost);
+            match self.write_response(t, response)? {
+                Some(bucket) => read = Some(bucket),
+                None => return Ok(Finish::Lost),
             }
         }
         let state = if response.is_some() { State::Completed } else { State::CompletedNoBody };
         let deadline = now_ms.saturating_add(retention_ms);
-        self.update_owned(t, |w| {
+        // The bucket read by the ownership check is usually still current: one CAS, no re-read.
+        self.update_owned_from(t, read, |w| {
             w.state = state;
             w.deadline_ms = deadline;
         })
     }
 
     /// Writes the response to the way's data key, fenced: never over a newer owner's stamp.
-    fn write_response(&self, t: &Ticket, response: &StoredResponse) -> Result<Finish, StoreError> {
+    /// Returns the bucket (and its cas) that proved ownership, or `None` if the ticket lost it.
+    fn write_response(&self, t: &Ticket, response: &StoredResponse) -> Result<Option<(Bucket, u32)>, StoreError> {
         let (bucket_id, way_i) = split_slot(t.slot);
         let key = self.layout.data_key(t.slot);
         let encoded = entry::encode_response(t.gen, &t.key, response);
         for _ in 0..MAX_ATTEMPTS {
             // Check ownership first: a taken-over owner must not write at all.
-            let (bucket, _) = self.read_bucket(bucket_id)?;
+            let (bucket, bucket_cas) = self.read_bucket(bucket_id)?;
             let way = bucket.way(way_i)?;
             if way.state != State::InProgress || way.gen != t.gen || way.key != t.key {
-                return Ok(Finish::Lost);
+                return Ok(None);
             }
             let (value, cas) = self.store.get(&key)?;
             if stamp_gen(value.as_deref()) > t.gen {
-                return Ok(Finish::Lost);
+                return Ok(None);
             }
             match self.store.set(&key, &encoded, cas) {
-                Ok(()) => return Ok(Finish::Done),
+                Ok(()) => return Ok(Some((bucket, bucket_cas))),
                 Err(KvError::CasMismatch) => continue,
                 Err(e) => return Err(e.into()),
             }

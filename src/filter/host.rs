@@ -72,6 +72,14 @@ impl SharedKv for SharedData {
     }
 }
 
+/// Logs at the level Envoy's `wasm` component logs at, so that debug lines are not even
+/// formatted when Envoy would drop them (one decision line per covered request).
+pub fn sync_log_level() {
+    if let Ok(level) = hostcalls::get_log_level() {
+        proxy_wasm::set_log_level(level);
+    }
+}
+
 /// Milliseconds since the Unix epoch, from the host's clock (the same for every worker).
 pub fn now_ms() -> u64 {
     hostcalls::get_current_time()

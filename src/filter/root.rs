@@ -45,6 +45,7 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
+        host::sync_log_level();
         let raw = proxy_wasm::hostcalls::get_buffer(proxy_wasm::types::BufferType::PluginConfiguration, 0, usize::MAX)
             .ok()
             .flatten()
