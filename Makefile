@@ -68,10 +68,13 @@ chaos: build setup
 	$(PY) tests/chaos.py --store shared_data --duration $(CHAOS_SECONDS) --clients 40
 	$(PY) tests/chaos.py --store etcd --duration $(CHAOS_SECONDS) --clients 40
 
-# The plugin against bare Envoy (wrk, about 4 minutes): prints a table and the RATIOS line,
-# writes docs/bench/results.json, results.md and chart.svg. The machine should be otherwise idle.
+# The plugin against bare Envoy and against the floor of any Wasm filter (the control filters
+# of bench/controls/, built here only; wrk, about 5 minutes): prints a table, the RATIOS line,
+# then the FLOOR and VS_FLOOR lines; writes docs/bench/results.json, results.md and chart.svg.
+# The machine should be otherwise idle.
 bench: build setup
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	cargo build --target $(TARGET) --release --manifest-path bench/controls/Cargo.toml
 	$(PY) bench/bench.py
 
 # The OCI image Istio pulls (FROM scratch, /plugin.wasm); needs a Docker engine.

@@ -13,7 +13,16 @@ Processes (all on 127.0.0.1, each stopped through its own PID):
       plugin the plugin, default config (forward "detached")         -> B1 B2 B3 B4
       router the plugin, forward "router"                            -> B2 router
       etcd   the plugin, store etcd                                  -> B2 etcd
-    Each plugin listener has its own vm_id and namespace (its own VMs and table).
+      wasm_noop  the control filter "noop", route to the upstream    -> W0 (GET)
+      wasm_local the control filter "local" (answers by itself)      -> W2
+    Each plugin listener has its own vm_id and namespace (its own VMs and table); each
+    control listener has its own vm_id too.
+
+The controls (bench/controls/, built by `make bench`) are the floor of any proxy-wasm filter:
+W0 a Wasm filter that does nothing, W2 a Wasm filter that reads the whole request and answers
+201 itself. Envoy pays for the VM calls, the header map and the local reply through the ABI
+whatever the filter does, so W0/A GET and W2/C are the best ratios a Wasm filter can reach
+on this machine, and B1/W0, B3/W2, B4/W2 what the plugin costs above that floor.
 
 Load: wrk (one thread pinned to core 1, 32 keep-alive connections, 4 s per run) with
 bench/unique.lua (a new Idempotency-Key per request) or bench/fixed.lua (one request,
@@ -28,8 +37,10 @@ Then memory: a fresh Envoy with the plugin (capacity 16,384), RSS (and tcmalloc'
 use) before and after 10,000 unique keys whose upstream answer is 1 KiB; the control is the
 same number of requests without a key on the same listener.
 
-Writes docs/bench/results.json, results.md and chart.svg; the last line printed is
-`RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`.
+Writes docs/bench/results.json, results.md and chart.svg; the last three lines printed are
+`RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`,
+`FLOOR passthrough=<W0/A GET> local_answer=<W2/C>` and
+`VS_FLOOR passthrough=<B1/W0> replay=<B3/W2> conflict=<B4/W2>`.
 """
 
 import argparse
@@ -59,6 +70,8 @@ from harness import (LOCALHOST, Upstream, envoy_binary, free_port, port_accepts,
                      request, static_cluster, to_yaml, unique_base_id, wasm_filter,
                      wasm_path)
 
+CONTROL_WASM = os.path.join(BENCH_DIR, "controls", "target", "wasm32-wasip1", "release",
+                            "bench_controls.wasm")
 HOST = "bench"  # the :authority of every request (it is part of the store key)
 BODY = b'{"amount":10}'  # what bench/*.lua send
 UPSTREAM_BODY = '{"id":"pay_1","status":"created"}'
@@ -85,6 +98,9 @@ CASES = [
     # compared with the same GET.
     {"id": "A_GET", "label": "A: Envoy, no plugin (GET)", "listener": "bare",
      "script": "unique", "method": "GET", "expect": "2xx"},
+    # The floor of any Wasm filter on B1's path: the control filter, doing nothing.
+    {"id": "W0", "label": "W0: a Wasm filter that does nothing (GET)", "listener": "wasm_noop",
+     "script": "unique", "method": "GET", "expect": "2xx"},
     {"id": "B1", "label": "B1: plugin, request not covered (GET)", "listener": "plugin",
      "script": "unique", "method": "GET", "expect": "2xx"},
     {"id": "B2_detached", "label": "B2: plugin, first call, detached", "listener": "plugin",
@@ -96,6 +112,10 @@ CASES = [
     # Answered by Envoy itself: against C.
     {"id": "C", "label": "C: Envoy answers by itself", "listener": "local",
      "script": "fixed", "expect": "2xx"},
+    # The floor of any Wasm filter answering by itself (B3, B4): the control filter reads the
+    # whole request and answers 201; the upstream must see none of these requests.
+    {"id": "W2", "label": "W2: a Wasm filter answering by itself", "listener": "wasm_local",
+     "script": "fixed", "expect": "local"},
     {"id": "B3", "label": "B3: plugin, replay", "listener": "plugin",
      "script": "fixed", "expect": "replayed"},
     {"id": "B4", "label": "B4: plugin, conflict (409)", "listener": "plugin",
@@ -168,6 +188,13 @@ class EnvoyProc:
                 short = s["name"].rsplit(".", 1)[-1]
                 out[short] = out.get(short, 0) + s["value"]
         return out
+
+    def upstream_requests(self):
+        """Requests this Envoy sent to the cluster "upstream" (all listeners)."""
+        q = "/stats?format=json&filter=" + urllib.parse.quote(
+            r"^cluster\.upstream\.upstream_rq_total$")
+        data = json.loads(request(self.admin_port, "GET", q, timeout=10).text)
+        return sum(s.get("value", 0) for s in data.get("stats", []))
 
     def cpu_s(self):
         """CPU time (user + system) the process has used, in seconds."""
@@ -251,8 +278,15 @@ def plugin(config, name, wasm):
     return wasm_filter(config, vm_id=f"bench_{name}", wasm=wasm)
 
 
-def front_envoy(wasm, upstream_port, slow_port, etcd_port, capacity, cpus):
-    ports = {n: free_port() for n in ("bare", "local", "plugin", "router", "etcd")}
+def control(mode, wasm):
+    """The control filter (bench/controls/) in `mode`, in VMs of its own."""
+    return wasm_filter(mode, vm_id=f"bench_control_{mode}", wasm=wasm, name="bench_control",
+                       root_id="bench_control")
+
+
+def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacity, cpus):
+    ports = {n: free_port() for n in ("bare", "local", "plugin", "router", "etcd",
+                                      "wasm_noop", "wasm_local")}
     base = {"capacity": capacity}
     # lease_ms 2000 (renewed every 500 ms): the conflict case's slow call (several seconds)
     # only stays in progress because its lease is renewed.
@@ -270,6 +304,16 @@ def front_envoy(wasm, upstream_port, slow_port, etcd_port, capacity, cpus):
         listener("router", ports["router"], [to_cluster("upstream")],
                  [plugin(r_conf, "router", wasm)]),
     ]
+    if control_wasm:
+        listeners += [
+            listener("wasm_noop", ports["wasm_noop"], [to_cluster("upstream")],
+                     [control("noop", control_wasm)]),
+            # Routed to the upstream: an answer from there would be a failure of the case.
+            listener("wasm_local", ports["wasm_local"], [to_cluster("upstream")],
+                     [control("local", control_wasm)]),
+        ]
+    else:
+        del ports["wasm_noop"], ports["wasm_local"]
     clusters = [static_cluster("upstream", upstream_port), static_cluster("slow", slow_port)]
     if etcd_port:
         listeners.append(listener("etcd", ports["etcd"], [to_cluster("upstream")],
@@ -399,6 +443,8 @@ def check_run(case, r, delta, connections):
             bad.append(f"conflict counter +{delta.get('conflict', 0)} < {n} requests")
     elif r["status_errors"]:
         bad.append(f"{r['status_errors']} answers > 399")
+    if expect == "local" and delta.get("upstream_rq", 0):
+        bad.append(f"{delta['upstream_rq']} requests reached the upstream")
     if expect == "claimed":
         claimed, completed = delta.get("claimed", 0), delta.get("completed", 0)
         if not n <= claimed <= n + connections:
@@ -407,7 +453,7 @@ def check_run(case, r, delta, connections):
             bad.append(f"completed +{completed} for {n} requests")
     if expect == "replayed" and delta.get("replayed", 0) < n:
         bad.append(f"replayed +{delta.get('replayed', 0)} < {n} requests")
-    if expect == "2xx" and delta.get("claimed", 0):
+    if expect in ("2xx", "local") and delta.get("claimed", 0):
         bad.append(f"claimed +{delta['claimed']} on a case that must not claim")
     for c in ("store_full", "store_error", "upstream_failed", "released"):
         if delta.get(c):
@@ -468,6 +514,8 @@ def main():
     ap.add_argument("--cpus-upstream", default="0-1" if two else "",
                     help="taskset list for the upstream Envoy")
     ap.add_argument("--cpus-wrk", default="1" if two else "", help="taskset list for wrk")
+    ap.add_argument("--control-wasm", default=CONTROL_WASM,
+                    help="the control filters (bench/controls/, built by make bench)")
     ap.add_argument("--no-etcd", action="store_true")
     ap.add_argument("--cases", default="", help="comma-separated case ids (default: all)")
     ap.add_argument("--out", default=os.path.join(REPO_ROOT, "docs", "bench"))
@@ -499,6 +547,18 @@ def main():
     if args.cases:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c["id"] in wanted]
+    control_wasm = None
+    if any(c["listener"].startswith("wasm_") for c in cases):
+        if not os.path.isfile(args.control_wasm):
+            sys.exit(f"no control filter at {args.control_wasm}: run make bench (it builds "
+                     "bench/controls/)")
+        control_wasm = os.path.join(work, "bench_controls.wasm")
+        shutil.copyfile(args.control_wasm, control_wasm)
+        with open(control_wasm, "rb") as f:
+            control_bytes = f.read()
+        info["control_wasm_bytes"] = len(control_bytes)
+        info["control_wasm_sha256"] = hashlib.sha256(control_bytes).hexdigest()[:16]
+        log(f"controls: {args.control_wasm}: {len(control_bytes):,} bytes")
     procs = []
     slow = up = front = None
     try:
@@ -509,7 +569,7 @@ def main():
         up = upstream_envoy(args.cpus_upstream)
         procs.append(up)
         t0 = time.monotonic()
-        front = front_envoy(wasm, up.port, slow.port, etcd.port if etcd else None,
+        front = front_envoy(wasm, control_wasm, up.port, slow.port, etcd.port if etcd else None,
                             args.capacity, args.cpus_envoy)
         procs.append(front)
         log(f"envoy under test ready in {time.monotonic() - t0:.1f} s (pid {front.pid}, "
@@ -522,6 +582,15 @@ def main():
         r = post(ports["bare"], f"chk-{nonce}")
         assert r.status == 201 and r.header("idempotent-replayed") is None, r
         assert post(ports["local"], None).status == 201
+        if control_wasm:
+            # W0 goes through to the upstream (the router adds its timing header); W2 is
+            # answered by the control filter (same body as the upstream's, no such header).
+            r = request(ports["wasm_noop"], "GET", "/payments",
+                        [("Host", HOST), ("Idempotency-Key", f"chk-w0-{nonce}")])
+            assert r.status == 201 and r.header("x-envoy-upstream-service-time") is not None, r
+            r = post(ports["wasm_local"], f"chk-w2-{nonce}")
+            assert r.status == 201 and r.body == UPSTREAM_BODY.encode() \
+                and r.header("x-envoy-upstream-service-time") is None, r
         for fam in [c["listener"] for c in cases if c["expect"] == "claimed"]:
             k = f"chk-{fam}-{nonce}"
             first, again = post(ports[fam], k), post(ports[fam], k)
@@ -561,6 +630,8 @@ def main():
                 if status != 409:
                     raise RuntimeError(f"the slow call's key answers {status}, not 409")
             before = front.counters()
+            if case["expect"] == "local":
+                before["upstream_rq"] = front.upstream_requests()
             cpu0 = (front.cpu_s(), up.cpu_s())
             try:
                 r = run_wrk(port, case, args, duration, prefix=f"{case['id']}-{tag}-{nonce}",
@@ -571,6 +642,8 @@ def main():
                 r["upstream_cpu_us"] = (cpu1[1] - cpu0[1]) / max(r["requests"], 1) * 1e6
                 time.sleep(0.2)  # let the last in-flight detached calls complete
                 after = front.counters()
+                if case["expect"] == "local":
+                    after["upstream_rq"] = front.upstream_requests()
                 if case["id"] == "B4":
                     # The mark outlived several lease_ms thanks to renewal: still 409 now.
                     still = post(port, key).status
@@ -633,6 +706,8 @@ def main():
     summary = summarize(cases, runs)
     ratios = compute_ratios(summary)
     cpu_ratios = compute_cpu_ratios(summary)
+    floor, vs_floor = compute_floor(summary, "rps")
+    cpu_floor, cpu_vs_floor = compute_floor(summary, "envoy_cpu_us")
     results = {
         "machine": info,
         "method": {
@@ -648,6 +723,10 @@ def main():
         "runs": runs,
         "ratios": ratios,
         "cpu_ratios": cpu_ratios,
+        "floor": floor,
+        "vs_floor": vs_floor,
+        "cpu_floor": cpu_floor,
+        "cpu_vs_floor": cpu_vs_floor,
         "memory": mem,
         "problems": problems,
         "elapsed_s": round(time.monotonic() - started, 1),
@@ -659,6 +738,8 @@ def main():
     log("CPU per request, same pairs (cost x): " + " ".join(
         f"{k}={v:.2f}" for k, v in cpu_ratios.items()))
     log("RATIOS " + " ".join(f"{k}={v:.2f}" for k, v in ratios.items()))
+    log("FLOOR " + " ".join(f"{k}={v:.2f}" for k, v in floor.items()))
+    log("VS_FLOOR " + " ".join(f"{k}={v:.2f}" for k, v in vs_floor.items()))
 
 
 def measure_memory(env, n, nonce, capacity):
@@ -756,6 +837,20 @@ def compute_cpu_ratios(summary):
             "replay": ratio("B3", "C"), "conflict": ratio("B4", "C")}
 
 
+def compute_floor(summary, field):
+    """The controls against Envoy alone (floor), the plugin against the controls (vs_floor).
+
+    field "rps": ratios of req/s; "envoy_cpu_us": ratios of CPU per request (cost x).
+    """
+    v = {s["id"]: s[field] for s in summary}
+
+    def ratio(a, b):
+        return v[a] / v[b] if v.get(a) and v.get(b) else float("nan")
+    return ({"passthrough": ratio("W0", "A_GET"), "local_answer": ratio("W2", "C")},
+            {"passthrough": ratio("B1", "W0"), "replay": ratio("B3", "W2"),
+             "conflict": ratio("B4", "W2")})
+
+
 def table_lines(summary):
     lines = ["| case | req/s (median) | min–max | p50 ms | p99 ms | Envoy CPU µs/req | "
              "checks |", "|---|---:|---:|---:|---:|---:|---|"]
@@ -801,6 +896,8 @@ def write_outputs(out, results):
 def markdown(res):
     m, meth, mem, ratios = res["machine"], res["method"], res["memory"], res["ratios"]
     cpu_ratios = res["cpu_ratios"]
+    floor, vs_floor = res["floor"], res["vs_floor"]
+    cpu_floor, cpu_vs_floor = res["cpu_floor"], res["cpu_vs_floor"]
     pin = meth["pinning"]
     lines = [
         "# Benchmark: the plugin against bare Envoy",
@@ -826,6 +923,27 @@ def markdown(res):
         f"| conflict = B4/C | {ratios['conflict']:.2f} | {cpu_ratios['conflict']:.2f} | "
         "409 against Envoy's own answer |",
         "",
+        "The floor: what any proxy-wasm filter costs, measured in the same run with the "
+        "control filters of `bench/controls/` (W0 does nothing; W2 reads the whole request "
+        "and answers 201 with the same body as C). The floor ratios are about the best a Wasm "
+        "filter reaches here; the second table is the plugin's cost above them.",
+        "",
+        "| floor (req/s) | value | Envoy CPU per request (×) | meaning |",
+        "|---|---:|---:|---|",
+        f"| passthrough = W0/A (GET) | {floor['passthrough']:.2f} | "
+        f"{cpu_floor['passthrough']:.2f} | a Wasm filter that does nothing |",
+        f"| local_answer = W2/C | {floor['local_answer']:.2f} | "
+        f"{cpu_floor['local_answer']:.2f} | a Wasm filter answering by itself |",
+        "",
+        "| against the floor (req/s) | value | Envoy CPU per request (×) | meaning |",
+        "|---|---:|---:|---|",
+        f"| passthrough = B1/W0 | {vs_floor['passthrough']:.2f} | "
+        f"{cpu_vs_floor['passthrough']:.2f} | the plugin on a request it does not cover |",
+        f"| replay = B3/W2 | {vs_floor['replay']:.2f} | {cpu_vs_floor['replay']:.2f} | "
+        "the plugin's replay against a minimal local answer |",
+        f"| conflict = B4/W2 | {vs_floor['conflict']:.2f} | {cpu_vs_floor['conflict']:.2f} | "
+        "the plugin's 409 against a minimal local answer |",
+        "",
         "## Memory",
         "",
         f"Envoy RSS per stored entry with 1 KiB responses: **{mem['bytes_per_entry']:,} "
@@ -843,7 +961,9 @@ def markdown(res):
         f"{mem['pageheap_free'][2] / 2**20:.1f} MiB after).",
         "",
         f"Plugin size: `dist/idempotency.wasm` is {m['wasm_bytes']:,} bytes "
-        f"({m['wasm_bytes'] / 1024:.0f} KiB).",
+        f"({m['wasm_bytes'] / 1024:.0f} KiB)."
+        + (f" The control filters (`bench/controls/`): {m['control_wasm_bytes']:,} bytes."
+           if m.get("control_wasm_bytes") else ""),
         "",
         "## Machine",
         "",
@@ -869,6 +989,11 @@ def markdown(res):
         "- B2 stores every key (default `retention_s`), in a table of "
         f"{meth['capacity_first_call']:,} entries; B2 etcd uses one local etcd "
         "(tests/etcd_util.py, data on local disk).",
+        "- W0, W2: the control filters (`bench/controls/`, built by `make bench`), each "
+        "listener with its own `vm_id`: W0 (`noop`) returns Continue from every callback, "
+        "GET through the upstream as A GET and B1; W2 (`local`) waits for the whole request, "
+        "reads its headers and body and answers 201 itself, `bench/fixed.lua` as C, B3 and "
+        "B4 (checked: no request of W2 reaches the upstream).",
         "- B3: one key completed before the run, replayed. B4: per run, one request with a "
         "new key is sent first to the slow upstream (answering after the run), with "
         "`lease_ms` 2000: the mark is renewed every 500 ms and the key still answers 409 "
@@ -886,11 +1011,14 @@ def markdown(res):
 
 def svg_chart(summary, machine):
     """Horizontal bars of req/s per case (median), with the min–max spread as a whisker."""
-    row, top, left, width = 34, 58, 290, 430
-    height = top + row * len(summary) + 40
+    row, top, left, width = 34, 58, 320, 430
+    height = top + row * len(summary) + 64
     vmax = max(s["rps_max"] for s in summary) or 1
     scale = width / (vmax * 1.08)
-    colors = {"A": "#7f7f7f", "A_GET": "#7f7f7f", "C": "#7f7f7f", "B2_etcd": "#d9822b"}  # grey: no plugin
+    legend = [("#7f7f7f", "Envoy, no filter"), ("#8e6bbf", "control Wasm filter"),
+              ("#2f6db5", "the plugin"), ("#d9822b", "the plugin, etcd store")]
+    colors = {"A": "#7f7f7f", "A_GET": "#7f7f7f", "C": "#7f7f7f", "W0": "#8e6bbf",
+              "W2": "#8e6bbf", "B2_etcd": "#d9822b"}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" '
            f'height="{height}" font-family="sans-serif" font-size="13">',
            f'<rect width="100%" height="100%" fill="white"/>',
@@ -931,6 +1059,11 @@ def svg_chart(summary, machine):
         out.append(f'<text x="{x:.1f}" y="{axis_y + 18}" text-anchor="middle" fill="#555">'
                    f'{v:,.0f}</text>')
         v += step
+    x = 12
+    for color, text in legend:
+        out.append(f'<rect x="{x}" y="{axis_y + 30}" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{x + 17}" y="{axis_y + 41}" fill="#555">{esc(text)}</text>')
+        x += 30 + 7 * len(text)
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
