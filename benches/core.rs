@@ -120,11 +120,15 @@ fn benches(c: &mut Criterion) {
     let mut fresh = Fresh::new();
     g.bench_function("claim", |b| {
         b.iter_custom(|iters| {
-            fresh.run(iters, |_, keys| keys, |t, keys| {
-                for k in &keys {
-                    black_box(t.begin(black_box(k), &fp, NOW, LEASE_MS).unwrap());
-                }
-            })
+            fresh.run(
+                iters,
+                |_, keys| keys,
+                |t, keys| {
+                    for k in &keys {
+                        black_box(t.begin(black_box(k), &fp, NOW, LEASE_MS).unwrap());
+                    }
+                },
+            )
         })
     });
 
@@ -152,12 +156,16 @@ fn benches(c: &mut Criterion) {
         }
         let k = key(7);
         assert!(matches!(t.begin(&k, &fp, NOW + 10, LEASE_MS).unwrap(), Begin::Replay(_)));
-        g.bench_function("replay_1KiB", |b| b.iter(|| black_box(t.begin(black_box(&k), &fp, NOW + 10, LEASE_MS).unwrap())));
+        g.bench_function("replay_1KiB", |b| {
+            b.iter(|| black_box(t.begin(black_box(&k), &fp, NOW + 10, LEASE_MS).unwrap()))
+        });
 
         let busy = key(PER_TABLE + 1);
         claim(&t, &busy, &fp);
         assert_eq!(t.begin(&busy, &fp, NOW + 10, LEASE_MS).unwrap(), Begin::InProgress);
-        g.bench_function("conflict", |b| b.iter(|| black_box(t.begin(black_box(&busy), &fp, NOW + 10, LEASE_MS).unwrap())));
+        g.bench_function("conflict", |b| {
+            b.iter(|| black_box(t.begin(black_box(&busy), &fp, NOW + 10, LEASE_MS).unwrap()))
+        });
     }
     g.finish();
 

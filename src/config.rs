@@ -203,8 +203,7 @@ impl Config {
         if bytes.iter().all(|b| b.is_ascii_whitespace()) {
             return Ok(Config::default());
         }
-        let value: Value = serde_json::from_slice(bytes)
-            .map_err(|e| err("", format!("not valid JSON: {e}")))?;
+        let value: Value = serde_json::from_slice(bytes).map_err(|e| err("", format!("not valid JSON: {e}")))?;
         let Value::Object(map) = value else {
             return Err(err("", "expected a JSON object"));
         };
@@ -238,7 +237,10 @@ impl Config {
                 .chain(c.rules.iter().enumerate().map(|(i, r)| (format!("routes[{i}].lease_ms"), &r.policy)))
                 .find(|(_, p)| p.lease_ms < MIN_ETCD_LEASE_MS);
             if let Some((field, p)) = short {
-                return Err(err(&field, format!("with the etcd store, at least {MIN_ETCD_LEASE_MS}, got {}", p.lease_ms)));
+                return Err(err(
+                    &field,
+                    format!("with the etcd store, at least {MIN_ETCD_LEASE_MS}, got {}", p.lease_ms),
+                ));
             }
         }
         Ok(c)
@@ -247,10 +249,7 @@ impl Config {
     /// The policy for a request: the first rule that matches, else the base policy.
     pub fn policy_for(&self, path: &[u8], method: &[u8], route_name: Option<&[u8]>) -> usize {
         let path = path.split(|b| *b == b'?').next().unwrap_or_default();
-        self.rules
-            .iter()
-            .position(|r| r.matches(path, method, route_name))
-            .map_or(0, |i| i + 1)
+        self.rules.iter().position(|r| r.matches(path, method, route_name)).map_or(0, |i| i + 1)
     }
 
     /// Policy 0 is the base policy; policy `i + 1` is rule `i`'s.
@@ -275,11 +274,17 @@ impl Rule {
 
 fn rule(f: &str, v: &Value, base: &Policy) -> Result<Rule, ConfigError> {
     let Value::Object(map) = v else {
-        return Err(err(f, format!("expected an object like {{\"match\":{{\"prefix\":\"/payments\"}},\"require_key\":true}}, got {v}")));
+        return Err(err(
+            f,
+            format!("expected an object like {{\"match\":{{\"prefix\":\"/payments\"}},\"require_key\":true}}, got {v}"),
+        ));
     };
     let match_field = format!("{f}.match");
     let Some(Value::Object(m)) = map.get("match") else {
-        return Err(err(&match_field, "missing, or not an object with one of prefix, path, route_name (and optional methods)"));
+        return Err(err(
+            &match_field,
+            "missing, or not an object with one of prefix, path, route_name (and optional methods)",
+        ));
     };
     let mut matcher = None;
     let mut methods_only = None;
@@ -417,7 +422,8 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>) -> Result<StoreConfig, Co
             _ => return Err(err(&field, "unknown field for store kind \"etcd\"")),
         }
     }
-    let cluster = cluster.ok_or_else(|| err(&format!("{f}.cluster"), "missing: the Envoy cluster that reaches etcd"))?;
+    let cluster =
+        cluster.ok_or_else(|| err(&format!("{f}.cluster"), "missing: the Envoy cluster that reaches etcd"))?;
     let authority = authority.unwrap_or_else(|| cluster.clone());
     Ok(StoreConfig::Etcd(EtcdConfig { cluster, authority, timeout_ms, on_unavailable }))
 }
@@ -443,8 +449,7 @@ fn array<'a>(f: &str, v: &'a Value) -> Result<&'a Vec<Value>, ConfigError> {
 
 /// RFC 9110 token characters: what a header name or a method may contain.
 fn is_token(s: &str) -> bool {
-    !s.is_empty()
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 fn header_name(f: &str, v: &Value) -> Result<String, ConfigError> {
@@ -496,9 +501,13 @@ fn statuses(f: &str, v: &Value) -> Result<StatusSet, ConfigError> {
                     let lo = u16::from(c - b'0') * 100;
                     (lo, lo + 99)
                 }
-                _ => return Err(err(&field, format!("expected a status (100-599) or a class like \"5xx\", got {s:?}"))),
+                _ => {
+                    return Err(err(&field, format!("expected a status (100-599) or a class like \"5xx\", got {s:?}")))
+                }
             },
-            other => return Err(err(&field, format!("expected a status (100-599) or a class like \"5xx\", got {other}"))),
+            other => {
+                return Err(err(&field, format!("expected a status (100-599) or a class like \"5xx\", got {other}")))
+            }
         };
         ranges.push(range);
     }
@@ -507,9 +516,7 @@ fn statuses(f: &str, v: &Value) -> Result<StatusSet, ConfigError> {
 
 fn namespace(f: &str, v: &Value) -> Result<String, ConfigError> {
     let s = string(f, v)?;
-    let ok = !s.is_empty()
-        && s.len() <= 64
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    let ok = !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
     if !ok {
         return Err(err(f, format!("expected 1 to 64 characters from [A-Za-z0-9._-], got {s:?}")));
     }
@@ -600,7 +607,10 @@ mod tests {
             (r#"{"store":{"kind":"etcd","cluster":"etcd","on_unavailable":"maybe"}}"#, "store.on_unavailable"),
             (r#"{"store":{"kind":"etcd","cluster":"etcd","timeout_ms":0}}"#, "store.timeout_ms"),
             (r#"{"lease_ms":2000,"store":{"kind":"etcd","cluster":"etcd"}}"#, "lease_ms"),
-            (r#"{"store":{"kind":"etcd","cluster":"etcd"},"routes":[{"match":{"prefix":"/"},"lease_ms":1000}]}"#, "routes[0].lease_ms"),
+            (
+                r#"{"store":{"kind":"etcd","cluster":"etcd"},"routes":[{"match":{"prefix":"/"},"lease_ms":1000}]}"#,
+                "routes[0].lease_ms",
+            ),
             (r#"{"namespace":"a/b"}"#, "namespace"),
             (r#"{"capacity":0}"#, "capacity"),
             (r#"{"key_header":""}"#, "key_header"),
@@ -626,7 +636,9 @@ mod tests {
                 ]}"#,
         )
         .unwrap();
-        let pick = |path: &str, method: &str, route: Option<&str>| c.policy_for(path.as_bytes(), method.as_bytes(), route.map(str::as_bytes));
+        let pick = |path: &str, method: &str, route: Option<&str>| {
+            c.policy_for(path.as_bytes(), method.as_bytes(), route.map(str::as_bytes))
+        };
         assert_eq!(pick("/payments/1?x=1", "POST", None), 1);
         assert!(c.policy(1).require_key);
         assert_eq!(c.policy(1).lease_ms, 3000, "rules inherit the base policy");
@@ -667,7 +679,12 @@ mod tests {
         let c = parse(r#"{"store":{"kind":"etcd","cluster":"etcd_cluster","on_unavailable":"pass"}}"#).unwrap();
         assert_eq!(
             c.store,
-            StoreConfig::Etcd(EtcdConfig { cluster: "etcd_cluster".into(), authority: "etcd_cluster".into(), timeout_ms: 1000, on_unavailable: OnUnavailable::Pass })
+            StoreConfig::Etcd(EtcdConfig {
+                cluster: "etcd_cluster".into(),
+                authority: "etcd_cluster".into(),
+                timeout_ms: 1000,
+                on_unavailable: OnUnavailable::Pass
+            })
         );
     }
 

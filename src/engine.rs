@@ -312,7 +312,13 @@ impl<S: SharedKv> Table<S> {
     }
 
     /// The first step of every covered request: claim the key, or learn what holds it.
-    pub fn begin(&self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64, lease_ms: u64) -> Result<Begin, StoreError> {
+    pub fn begin(
+        &self,
+        key: &StoreKey,
+        fingerprint: &Fingerprint,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<Begin, StoreError> {
         let (bucket_id, tag) = self.layout.locate(key);
         for _ in 0..MAX_ATTEMPTS {
             let (mut bucket, cas) = self.read_bucket(bucket_id)?;
@@ -364,7 +370,12 @@ impl<S: SharedKv> Table<S> {
     }
 
     /// As `update_owned`, trying first with a bucket the caller has just read.
-    fn update_owned_from(&self, t: &Ticket, mut read: Option<(Bucket, u32)>, change: impl Fn(&mut Way)) -> Result<Finish, StoreError> {
+    fn update_owned_from(
+        &self,
+        t: &Ticket,
+        mut read: Option<(Bucket, u32)>,
+        change: impl Fn(&mut Way),
+    ) -> Result<Finish, StoreError> {
         let (bucket_id, way_i) = split_slot(t.slot);
         for _ in 0..MAX_ATTEMPTS {
             let (mut bucket, cas) = match read.take() {
@@ -406,7 +417,13 @@ impl<S: SharedKv> Table<S> {
     }
 
     /// Completes the key with its response, or without one when it was too large to keep.
-    pub fn complete(&self, t: &Ticket, response: Option<&StoredResponse>, now_ms: u64, retention_ms: u64) -> Result<Finish, StoreError> {
+    pub fn complete(
+        &self,
+        t: &Ticket,
+        response: Option<&StoredResponse>,
+        now_ms: u64,
+        retention_ms: u64,
+    ) -> Result<Finish, StoreError> {
         let mut read = None;
         if let Some(response) = response {
             match self.write_response(t, response)? {

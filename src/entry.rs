@@ -104,7 +104,8 @@ impl Bucket {
 
 fn way_bytes(way: &Way) -> [u8; WAY_BYTES] {
     let mut w = [0u8; WAY_BYTES];
-    let parts: [&[u8]; 5] = [&[way.state as u8], &way.gen.to_le_bytes(), &way.key, &way.fingerprint.0, &way.deadline_ms.to_le_bytes()];
+    let parts: [&[u8]; 5] =
+        [&[way.state as u8], &way.gen.to_le_bytes(), &way.key, &way.fingerprint.0, &way.deadline_ms.to_le_bytes()];
     let mut at = 0;
     for part in parts {
         if let Some(dst) = w.get_mut(at..at + part.len()) {
@@ -258,7 +259,8 @@ mod tests {
     fn bucket_round_trip() {
         let mut b = Bucket::empty();
         assert_eq!(b.as_bytes().len(), BUCKET_BYTES);
-        let way = Way { state: State::Completed, gen: 7, key: [3; 16], fingerprint: Fingerprint([9; 16]), deadline_ms: 1234 };
+        let way =
+            Way { state: State::Completed, gen: 7, key: [3; 16], fingerprint: Fingerprint([9; 16]), deadline_ms: 1234 };
         b.set_way(WAYS - 1, &way);
         let b2 = Bucket::decode(b.as_bytes().to_vec()).unwrap();
         assert_eq!(b2.way(WAYS - 1).unwrap(), way);
@@ -294,7 +296,8 @@ mod tests {
 
     #[test]
     fn entry_round_trip_and_consistency() {
-        let way = Way { state: State::Completed, gen: 9, key: [1; 16], fingerprint: Fingerprint([2; 16]), deadline_ms: 5 };
+        let way =
+            Way { state: State::Completed, gen: 9, key: [1; 16], fingerprint: Fingerprint([2; 16]), deadline_ms: 5 };
         let resp = StoredResponse { status: 201, headers: vec![("a".into(), b"b".to_vec())], body: b"x".to_vec() };
         let bytes = encode_entry(&way, Some(&resp));
         assert_eq!(decode_entry(&bytes).unwrap(), (way, Some(resp.clone())));

@@ -16,7 +16,9 @@ impl KeyError {
         match self {
             KeyError::Empty => "The Idempotency-Key header is empty.".into(),
             KeyError::TooLong => format!("The Idempotency-Key is longer than {max_len} characters."),
-            KeyError::Malformed => "The Idempotency-Key must be visible ASCII, bare or as a quoted string (RFC 8941).".into(),
+            KeyError::Malformed => {
+                "The Idempotency-Key must be visible ASCII, bare or as a quoted string (RFC 8941).".into()
+            }
         }
     }
 }
@@ -147,13 +149,7 @@ mod tests {
         assert_ne!(base, StoreKey::derive("idem", b"api", &[Some(b"tok2")], b"k1"));
         assert_ne!(base, StoreKey::derive("idem", b"api", &[None], b"k1"));
         assert_ne!(base, StoreKey::derive("idem", b"api", &[Some(b"tok")], b"k2"));
-        assert_ne!(
-            StoreKey::derive("idem", b"ab", &[], b"c"),
-            StoreKey::derive("idem", b"a", &[], b"bc")
-        );
-        assert_ne!(
-            StoreKey::derive("idem", b"a", &[Some(b"")], b"k"),
-            StoreKey::derive("idem", b"a", &[None], b"k")
-        );
+        assert_ne!(StoreKey::derive("idem", b"ab", &[], b"c"), StoreKey::derive("idem", b"a", &[], b"bc"));
+        assert_ne!(StoreKey::derive("idem", b"a", &[Some(b"")], b"k"), StoreKey::derive("idem", b"a", &[None], b"k"));
     }
 }

@@ -17,7 +17,13 @@ const TYPE_PREFIX: &str = "urn:idempotency-filter:problem:";
 
 impl Problem {
     pub fn missing_key(header: &str) -> Problem {
-        Problem::new(400, "missing-key", "An Idempotency-Key is required for this request", format!("This operation requires the `{header}` header."), None)
+        Problem::new(
+            400,
+            "missing-key",
+            "An Idempotency-Key is required for this request",
+            format!("This operation requires the `{header}` header."),
+            None,
+        )
     }
 
     pub fn invalid_key(detail: String) -> Problem {
@@ -25,7 +31,13 @@ impl Problem {
     }
 
     pub fn duplicate_key_header(header: &str) -> Problem {
-        Problem::new(400, "invalid-key", "The Idempotency-Key is malformed", format!("The `{header}` header must appear once."), None)
+        Problem::new(
+            400,
+            "invalid-key",
+            "The Idempotency-Key is malformed",
+            format!("The `{header}` header must appear once."),
+            None,
+        )
     }
 
     pub fn in_progress(retry_after_s: u64) -> Problem {
@@ -49,7 +61,13 @@ impl Problem {
     }
 
     pub fn body_too_large(limit: usize) -> Problem {
-        Problem::new(413, "body-too-large", "The request body is too large", format!("Requests with an Idempotency-Key may carry at most {limit} bytes."), None)
+        Problem::new(
+            413,
+            "body-too-large",
+            "The request body is too large",
+            format!("Requests with an Idempotency-Key may carry at most {limit} bytes."),
+            None,
+        )
     }
 
     pub fn fingerprint_mismatch() -> Problem {
@@ -63,11 +81,23 @@ impl Problem {
     }
 
     pub fn store_full(retry_after_s: u64) -> Problem {
-        Problem::new(503, "store-full", "The idempotency store is full", "No entry is free for this key right now; no work was done.".into(), Some(retry_after_s))
+        Problem::new(
+            503,
+            "store-full",
+            "The idempotency store is full",
+            "No entry is free for this key right now; no work was done.".into(),
+            Some(retry_after_s),
+        )
     }
 
     pub fn store_unavailable(retry_after_s: u64) -> Problem {
-        Problem::new(503, "store-unavailable", "The idempotency store is unavailable", "The request could not be checked against the idempotency store; no work was done.".into(), Some(retry_after_s))
+        Problem::new(
+            503,
+            "store-unavailable",
+            "The idempotency store is unavailable",
+            "The request could not be checked against the idempotency store; no work was done.".into(),
+            Some(retry_after_s),
+        )
     }
 
     /// The upstream gave no answer (connect failure, reset, timeout); the key was released.
@@ -77,7 +107,13 @@ impl Problem {
             502 => "The upstream connection was reset",
             _ => "The upstream is unavailable",
         };
-        Problem::new(status, "upstream-failed", title, format!("{reason}; the Idempotency-Key was released and the request may be retried."), Some(retry_after_s))
+        Problem::new(
+            status,
+            "upstream-failed",
+            title,
+            format!("{reason}; the Idempotency-Key was released and the request may be retried."),
+            Some(retry_after_s),
+        )
     }
 
     /// The Envoy filter config lacks `allow_on_headers_stop_iteration: true`: bodies never
@@ -140,7 +176,12 @@ mod tests {
 
     #[test]
     fn non_retryable_problems_have_no_retry_after() {
-        for p in [Problem::fingerprint_mismatch(), Problem::completed_without_response(), Problem::body_too_large(10), Problem::missing_key("idempotency-key")] {
+        for p in [
+            Problem::fingerprint_mismatch(),
+            Problem::completed_without_response(),
+            Problem::body_too_large(10),
+            Problem::missing_key("idempotency-key"),
+        ] {
             let v: Value = serde_json::from_slice(&p.body()).unwrap();
             assert_eq!(v["retryable"], false);
             assert!(v.get("retry_after").is_none());

@@ -112,7 +112,8 @@ fn late_owner_takeover_and_observer() {
             })
         };
         let (a, b, seen) = (a.join().unwrap(), b.join().unwrap(), c.join().unwrap());
-        let winners: Vec<&str> = [(a, "A"), (b, "B")].iter().filter(|(r, _)| *r == Some(Finish::Done)).map(|(_, n)| *n).collect();
+        let winners: Vec<&str> =
+            [(a, "A"), (b, "B")].iter().filter(|(r, _)| *r == Some(Finish::Done)).map(|(_, n)| *n).collect();
         assert!(winners.len() <= 1, "two owners completed: {winners:?}");
         let last = t.begin(&key(), &Fingerprint::default(), 18, LEASE).unwrap();
         match winners.first() {

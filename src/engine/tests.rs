@@ -1,4 +1,5 @@
-//! The core against a store with Envoy's exact CAS semantics and a fake clock.
+//! The core against a store with Envoy's exact CAS semantics and a fake clock (compiled under
+//! #[cfg(test)] by engine.rs).
 
 use super::*;
 use crate::store::memory::MemoryKv;
@@ -27,7 +28,11 @@ fn fp(n: u8) -> Fingerprint {
 fn response(body: &str) -> StoredResponse {
     StoredResponse {
         status: 201,
-        headers: vec![("content-type".into(), b"application/json".to_vec()), ("set-cookie".into(), b"a".to_vec()), ("set-cookie".into(), b"b".to_vec())],
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            ("set-cookie".into(), b"a".to_vec()),
+            ("set-cookie".into(), b"b".to_vec()),
+        ],
         body: body.as_bytes().to_vec(),
     }
 }

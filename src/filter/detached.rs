@@ -57,7 +57,11 @@ enum Answer {
 }
 
 fn status_of(headers: &[(String, Vec<u8>)]) -> u16 {
-    headers.iter().find(|(n, _)| n == ":status").and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok()).unwrap_or(0)
+    headers
+        .iter()
+        .find(|(n, _)| n == ":status")
+        .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok())
+        .unwrap_or(0)
 }
 
 fn classify(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {
@@ -70,7 +74,9 @@ fn classify(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {
         if status == 503 && body.starts_with(b"upstream connect error or disconnect/reset before headers") {
             let says = |word: &[u8]| body.windows(word.len()).any(|w| w == word);
             // A connect failure, or Envoy's circuit breaker (overflow): nothing was sent.
-            let connect = says(b"connection failure") || says(b"overflow") || headers.iter().any(|(n, _)| n == "x-envoy-overloaded");
+            let connect = says(b"connection failure")
+                || says(b"overflow")
+                || headers.iter().any(|(n, _)| n == "x-envoy-overloaded");
             return if connect {
                 Answer::NoAnswer { status: 503, reason: "The upstream could not be reached" }
             } else {
@@ -122,7 +128,14 @@ pub(super) fn on_call_answer(vm: &Vm, token: u32, num_headers: usize, body_size:
 
 /// A held request becomes the first call: the root sends it (detached) or resumes it into the
 /// router, handing it the ownership through the VM's handoff map.
-pub(super) fn promote(vm: &Vm, context_id: u32, policy: usize, outbound: Option<super::Outbound>, owner: Owner, now: u64) {
+pub(super) fn promote(
+    vm: &Vm,
+    context_id: u32,
+    policy: usize,
+    outbound: Option<super::Outbound>,
+    owner: Owner,
+    now: u64,
+) {
     match outbound {
         Some(request) => {
             vm.outbox.borrow_mut().push_back(Job { context_id, policy, owner: Some(owner), request });
@@ -131,7 +144,10 @@ pub(super) fn promote(vm: &Vm, context_id: u32, policy: usize, outbound: Option<
         None => {
             vm.owners.borrow_mut().insert(context_id, Owned { policy, owner, renewed_ms: now });
             vm.handoff.borrow_mut().insert(context_id, owner);
-            if !(vm.live.borrow().contains(&context_id) && host::set_effective_context(context_id) && host::resume_request()) {
+            if !(vm.live.borrow().contains(&context_id)
+                && host::set_effective_context(context_id)
+                && host::resume_request())
+            {
                 vm.owners.borrow_mut().remove(&context_id);
                 vm.handoff.borrow_mut().remove(&context_id);
                 vm.release(&owner);

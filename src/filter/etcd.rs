@@ -13,8 +13,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
-use super::detached::{pass_through, promote};
 use super::answer_client;
+use super::detached::{pass_through, promote};
 use super::{host, send_stored, Outbound, Owner, Vm};
 use crate::config::{EtcdConfig, OnConflict, OnUnavailable};
 use crate::engine::{decide_entry, Decision};
@@ -166,7 +166,8 @@ pub fn tick(vm: &Vm, now: u64) {
         if due {
             e.keepalive_ms = now;
         }
-        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut e.held).into_iter().partition(|r| r.next_poll_ms <= now);
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut e.held).into_iter().partition(|r| r.next_poll_ms <= now);
         e.held = waiting;
         e.claims.extend(ready);
         due.then_some(e.lease).flatten()
@@ -183,11 +184,17 @@ pub fn pump(vm: &Vm, now: u64) {
     let Some(cell) = vm.etcd.as_ref() else { return };
     // Keep a retention lease ready for every policy's retention, so that completions do not
     // wait for a grant.
-    let retentions: Vec<u64> = std::iter::once(&vm.config.policy).chain(vm.config.rules.iter().map(|r| &r.policy)).map(|p| p.retention_s).collect();
+    let retentions: Vec<u64> = std::iter::once(&vm.config.policy)
+        .chain(vm.config.rules.iter().map(|r| &r.policy))
+        .map(|p| p.retention_s)
+        .collect();
     for retention_s in retentions {
         let grant = {
             let mut e = cell.borrow_mut();
-            let fresh = e.retention.get(&retention_s).is_some_and(|(_, until)| now + retention_slack_s(retention_s) * 500 < *until);
+            let fresh = e
+                .retention
+                .get(&retention_s)
+                .is_some_and(|(_, until)| now + retention_slack_s(retention_s) * 500 < *until);
             !fresh && e.retention_pending.insert(retention_s)
         };
         if grant {
@@ -225,7 +232,8 @@ pub fn pump(vm: &Vm, now: u64) {
         send_claim(vm, req, lease, token, now);
     }
     // Owners whose call ended and whose last write is acknowledged.
-    let ready: Vec<u64> = cell.borrow().owners.iter().filter(|(_, o)| o.ending.is_some() && !o.busy).map(|(id, _)| *id).collect();
+    let ready: Vec<u64> =
+        cell.borrow().owners.iter().filter(|(_, o)| o.ending.is_some() && !o.busy).map(|(id, _)| *id).collect();
     for id in ready {
         send_end(vm, id, now);
     }
@@ -240,7 +248,13 @@ pub fn pump(vm: &Vm, now: u64) {
 
 fn send_claim(vm: &Vm, req: ClaimReq, lease: i64, token: u64, now: u64) {
     let lease_ms = vm.policy(req.policy).lease_ms;
-    let way = Way { state: State::InProgress, gen: token, key: req.tag, fingerprint: req.fingerprint, deadline_ms: now.saturating_add(lease_ms) };
+    let way = Way {
+        state: State::InProgress,
+        gen: token,
+        key: req.tag,
+        fingerprint: req.fingerprint,
+        deadline_ms: now.saturating_add(lease_ms),
+    };
     let value = encode_entry(&way, None);
     let body = match req.takeover {
         Some(mod_revision) => proto::replace_txn(&req.key, mod_revision, &value, lease),
@@ -305,7 +319,12 @@ fn send(vm: &Vm, path: &str, body: &[u8], op: Op) -> bool {
         let e = cell.borrow();
         (e.cfg.cluster.clone(), e.cfg.authority.clone(), Duration::from_millis(e.cfg.timeout_ms))
     };
-    let headers = vec![(":method", "POST"), (":path", path), (":authority", authority.as_str()), ("content-type", "application/json")];
+    let headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", authority.as_str()),
+        ("content-type", "application/json"),
+    ];
     match host::dispatch(&cluster, headers, body, timeout) {
         Ok(token) => {
             cell.borrow_mut().inflight.insert(token, op);
@@ -451,7 +470,17 @@ fn on_claim(vm: &Vm, mut req: ClaimReq, value: Vec<u8>, way: Way, result: Result
             let id = with(vm, |e| {
                 let id = e.next_owner;
                 e.next_owner += 1;
-                e.owners.insert(id, EtcdOwner { key: req.key.clone(), policy: req.policy, way, mod_revision: revision, busy: false, ending: None });
+                e.owners.insert(
+                    id,
+                    EtcdOwner {
+                        key: req.key.clone(),
+                        policy: req.policy,
+                        way,
+                        mod_revision: revision,
+                        busy: false,
+                        ending: None,
+                    },
+                );
                 id
             })
             .unwrap_or(0);
@@ -492,7 +521,10 @@ fn on_claim(vm: &Vm, mut req: ClaimReq, value: Vec<u8>, way: Way, result: Result
                         answer_client(vm, req.context_id, |_| send_stored(&r, true));
                     }
                     None => {
-                        let p = vm.store_problem(crate::engine::StoreError::Corrupt("entry: no response"), policy.retry_after_s);
+                        let p = vm.store_problem(
+                            crate::engine::StoreError::Corrupt("entry: no response"),
+                            policy.retry_after_s,
+                        );
                         answer_client(vm, req.context_id, |vm| vm.reply_problem(&p));
                     }
                 },

@@ -14,7 +14,13 @@ use crate::store::{KvError, SharedKv};
 #[link(wasm_import_module = "env")]
 extern "C" {
     #[link_name = "proxy_get_shared_data"]
-    fn raw_get_shared_data(key: *const u8, key_size: usize, value: *mut *mut u8, value_size: *mut usize, cas: *mut u32) -> u32;
+    fn raw_get_shared_data(
+        key: *const u8,
+        key_size: usize,
+        value: *mut *mut u8,
+        value_size: *mut usize,
+        cas: *mut u32,
+    ) -> u32;
     #[link_name = "proxy_set_shared_data"]
     fn raw_set_shared_data(key: *const u8, key_size: usize, value: *const u8, value_size: usize, cas: u32) -> u32;
     #[link_name = "proxy_send_local_response"]
@@ -63,7 +69,8 @@ impl SharedKv for SharedData {
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), KvError> {
         // SAFETY: pointers and sizes describe live slices.
-        let status = unsafe { raw_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas.unwrap_or(0)) };
+        let status =
+            unsafe { raw_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas.unwrap_or(0)) };
         match status {
             OK => Ok(()),
             CAS_MISMATCH => Err(KvError::CasMismatch),

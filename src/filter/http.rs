@@ -78,11 +78,12 @@ impl Stream {
         let method = host::request_header(":method").unwrap_or_default();
         if !vm.config.rules.is_empty() {
             let path = host::request_header(":path").unwrap_or_default();
-            let route_name = if vm.config.rules.iter().any(|r| matches!(r.matcher, crate::config::RouteMatch::RouteName(_))) {
-                host::property(&["xds", "route_name"])
-            } else {
-                None
-            };
+            let route_name =
+                if vm.config.rules.iter().any(|r| matches!(r.matcher, crate::config::RouteMatch::RouteName(_))) {
+                    host::property(&["xds", "route_name"])
+                } else {
+                    None
+                };
             self.policy = vm.config.policy_for(&path, &method, route_name.as_deref());
         }
         let policy = vm.policy(self.policy);
@@ -115,7 +116,12 @@ impl Stream {
         };
         let scopes = scope_values(policy, &headers);
         let scope_refs: Vec<Option<&[u8]>> = scopes.iter().map(|s| s.as_deref()).collect();
-        let key = StoreKey::derive(&vm.config.namespace, value_of(":authority").unwrap_or_default(), &scope_refs, &client_key);
+        let key = StoreKey::derive(
+            &vm.config.namespace,
+            value_of(":authority").unwrap_or_default(),
+            &scope_refs,
+            &client_key,
+        );
         let mut fingerprint = FingerprintBuilder::new(method, path);
         for name in &policy.fingerprint_headers {
             fingerprint.header(name, headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()));
@@ -174,7 +180,12 @@ impl Stream {
         match judge(&vm, policy, begin) {
             Verdict::Claimed(owner) => match (outbound, vm.queue_id.get()) {
                 (Some(request), Some(queue)) => {
-                    vm.outbox.borrow_mut().push_back(Job { context_id: self.id, policy: self.policy, owner: Some(owner), request });
+                    vm.outbox.borrow_mut().push_back(Job {
+                        context_id: self.id,
+                        policy: self.policy,
+                        owner: Some(owner),
+                        request,
+                    });
                     if !host::enqueue(queue) {
                         log::warn!("enqueue failed; the job waits for the next queue event");
                     }
@@ -192,7 +203,8 @@ impl Stream {
                 if policy.on_conflict == OnConflict::Wait && room {
                     vm.count(Counter::Waited);
                     let deadline_ms = now.saturating_add(policy.wait_max_ms);
-                    let waiter = Waiter { context_id: self.id, policy: self.policy, key, fingerprint, deadline_ms, outbound };
+                    let waiter =
+                        Waiter { context_id: self.id, policy: self.policy, key, fingerprint, deadline_ms, outbound };
                     vm.waiters.borrow_mut().push(waiter);
                     self.phase = Phase::Waiting;
                     return Action::Pause;
@@ -240,7 +252,8 @@ impl Stream {
             return;
         }
         let headers = headers.into_iter().filter(|(n, _)| !super::is_hop_by_hop(n)).collect();
-        self.phase = Phase::Owner { owner, capture: Some(Capture { status, headers, body: Vec::new(), too_large: false }) };
+        self.phase =
+            Phase::Owner { owner, capture: Some(Capture { status, headers, body: Vec::new(), too_large: false }) };
         if end_of_stream {
             self.finish_capture();
         }
@@ -291,7 +304,8 @@ fn scope_values(policy: &Policy, headers: &[(String, Vec<u8>)]) -> Vec<Option<Ve
         scopes.push(peer);
     }
     if let Some(jwt) = &policy.scope_jwt_claim {
-        let path = ["metadata", "filter_metadata", "envoy.filters.http.jwt_authn", jwt.payload.as_str(), jwt.claim.as_str()];
+        let path =
+            ["metadata", "filter_metadata", "envoy.filters.http.jwt_authn", jwt.payload.as_str(), jwt.claim.as_str()];
         scopes.push(host::property(&path).filter(|v| !v.is_empty()));
     }
     scopes

@@ -205,13 +205,21 @@ impl Vm {
                 self.held(Held::of(State::InProgress, -1).plus(Held::of(State::Completed, 1)));
             }
             Ok(Finish::Lost) => {
-                log::info!("slot {} was taken over before its owner finished; the late result is not stored", ticket.slot);
+                log::info!(
+                    "slot {} was taken over before its owner finished; the late result is not stored",
+                    ticket.slot
+                );
                 self.count(Counter::OwnerLost);
             }
             Err(e) => {
                 log::warn!("completion failed ({e:?}); retrying from on_tick");
                 self.count(Counter::StoreError);
-                self.pending.borrow_mut().push(PendingWrite::Complete { ticket: *ticket, response, now_ms: now, retention_ms });
+                self.pending.borrow_mut().push(PendingWrite::Complete {
+                    ticket: *ticket,
+                    response,
+                    now_ms: now,
+                    retention_ms,
+                });
             }
         }
     }
@@ -229,7 +237,12 @@ impl Vm {
                             self.held(Held::of(State::InProgress, -1).plus(Held::of(State::Completed, 1)));
                         }
                         Ok(Finish::Lost) => self.count(Counter::OwnerLost),
-                        Err(_) => self.pending.borrow_mut().push(PendingWrite::Complete { ticket, response, now_ms, retention_ms }),
+                        Err(_) => self.pending.borrow_mut().push(PendingWrite::Complete {
+                            ticket,
+                            response,
+                            now_ms,
+                            retention_ms,
+                        }),
                     }
                 }
             }
@@ -261,18 +274,21 @@ impl Vm {
 pub fn is_hop_by_hop(name: &str) -> bool {
     matches!(
         name,
-        "connection" | "keep-alive" | "proxy-connection" | "transfer-encoding" | "te" | "trailer" | "upgrade" | "content-length"
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "content-length"
     ) || name.starts_with(':')
 }
 
 /// Sends a stored or freshly received response on the current stream.
 pub fn send_stored(response: &StoredResponse, replayed: bool) {
-    let mut headers: Vec<(&str, &[u8])> = response
-        .headers
-        .iter()
-        .filter(|(n, _)| !is_hop_by_hop(n))
-        .map(|(n, v)| (n.as_str(), v.as_slice()))
-        .collect();
+    let mut headers: Vec<(&str, &[u8])> =
+        response.headers.iter().filter(|(n, _)| !is_hop_by_hop(n)).map(|(n, v)| (n.as_str(), v.as_slice())).collect();
     if replayed {
         headers.push(("idempotent-replayed", b"true"));
     }
@@ -339,7 +355,9 @@ pub fn counter_of(begin: &Result<crate::engine::Begin, StoreError>) -> Option<Co
 pub fn describe(begin: &Result<crate::engine::Begin, StoreError>) -> String {
     use crate::engine::Begin;
     match begin {
-        Ok(Begin::Claimed { ticket, takeover, .. }) => format!("claimed slot {} gen {} (takeover: {takeover})", ticket.slot, ticket.gen),
+        Ok(Begin::Claimed { ticket, takeover, .. }) => {
+            format!("claimed slot {} gen {} (takeover: {takeover})", ticket.slot, ticket.gen)
+        }
         Ok(Begin::InProgress) => "in progress".into(),
         Ok(Begin::Replay(r)) => format!("replay of {}", r.status),
         Ok(Begin::CompletedWithoutBody) => "completed without stored response: 409".into(),

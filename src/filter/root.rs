@@ -79,11 +79,17 @@ impl RootContext for Root {
         }
         let mut vm = Vm::new(config, table);
         if let StoreConfig::Etcd(cfg) = &vm.config.store {
-            let max_lease = std::iter::once(&vm.config.policy).chain(vm.config.rules.iter().map(|r| &r.policy)).map(|p| p.lease_ms).max().unwrap_or(10_000);
+            let max_lease = std::iter::once(&vm.config.policy)
+                .chain(vm.config.rules.iter().map(|r| &r.policy))
+                .map(|p| p.lease_ms)
+                .max()
+                .unwrap_or(10_000);
             vm.etcd = Some(std::cell::RefCell::new(etcd::Etcd::new(cfg.clone(), max_lease)));
         }
         let vm = Rc::new(vm);
-        let detached = std::iter::once(&vm.config.policy).chain(vm.config.rules.iter().map(|r| &r.policy)).any(|p| p.forward == Forward::Detached);
+        let detached = std::iter::once(&vm.config.policy)
+            .chain(vm.config.rules.iter().map(|r| &r.policy))
+            .any(|p| p.forward == Forward::Detached);
         if detached || vm.etcd.is_some() {
             // One queue per VM, under a name no other VM uses: the last VM to register a name
             // receives all its notifications (SPEC §4).
@@ -98,7 +104,8 @@ impl RootContext for Root {
                 }
             }
         }
-        self.sweep_cursor = (RandomState::new().build_hasher().finish() % u64::from(vm.table.layout().buckets())) as u32;
+        self.sweep_cursor =
+            (RandomState::new().build_hasher().finish() % u64::from(vm.table.layout().buckets())) as u32;
         let tick = if vm.waits() { WAIT_TICK } else { TICK };
         self.sweep_per_tick = (SWEEP_PER_SECOND * tick.as_millis() as u64 / 1000).max(1) as u32;
         self.vm = Some(vm);
@@ -186,7 +193,11 @@ pub(super) fn renew(vm: &Vm, now: u64, from_root: bool) {
     if (!from_root && vm.etcd.is_some()) || now < vm.next_renewal_ms.get() {
         return;
     }
-    let min_lease = std::iter::once(&vm.config.policy).chain(vm.config.rules.iter().map(|r| &r.policy)).map(|p| p.lease_ms).min().unwrap_or(10_000);
+    let min_lease = std::iter::once(&vm.config.policy)
+        .chain(vm.config.rules.iter().map(|r| &r.policy))
+        .map(|p| p.lease_ms)
+        .min()
+        .unwrap_or(10_000);
     vm.next_renewal_ms.set(now + (min_lease / 16).max(10));
     let lease = |policy: usize| vm.policy(policy).lease_ms;
     let due = |renewed: u64, policy: usize| now.saturating_sub(renewed) >= lease(policy) / 4;
@@ -196,7 +207,13 @@ pub(super) fn renew(vm: &Vm, now: u64, from_root: bool) {
         .iter()
         .filter(|(_, o)| due(o.renewed_ms, o.policy))
         .map(|(id, o)| (Some(*id), None, o.owner, o.policy))
-        .chain(vm.calls.borrow().iter().filter(|(_, c)| due(c.renewed_ms, c.policy)).filter_map(|(t, c)| Some((None, Some(*t), c.owner?, c.policy))))
+        .chain(
+            vm.calls
+                .borrow()
+                .iter()
+                .filter(|(_, c)| due(c.renewed_ms, c.policy))
+                .filter_map(|(t, c)| Some((None, Some(*t), c.owner?, c.policy))),
+        )
         .collect();
     for (stream, call, owner, policy) in owners {
         let lost = match owner {

@@ -140,7 +140,11 @@ fn body_json(status: u16, body: &[u8]) -> Result<Value, EtcdError> {
 
 pub fn parse_txn(status: u16, body: &[u8]) -> Result<TxnResult, EtcdError> {
     let v = body_json(status, body)?;
-    let revision = v.get("header").and_then(|h| h.get("revision")).and_then(int).ok_or(EtcdError::Malformed("no header.revision"))?;
+    let revision = v
+        .get("header")
+        .and_then(|h| h.get("revision"))
+        .and_then(int)
+        .ok_or(EtcdError::Malformed("no header.revision"))?;
     let succeeded = v.get("succeeded").and_then(Value::as_bool).unwrap_or(false);
     let current = if succeeded {
         None
@@ -158,7 +162,8 @@ pub fn parse_txn(status: u16, body: &[u8]) -> Result<TxnResult, EtcdError> {
                     Some(s) => B64.decode(s).map_err(|_| EtcdError::Malformed("value is not base64"))?,
                     None => Vec::new(),
                 };
-                let mod_revision = kv.get("mod_revision").and_then(int).ok_or(EtcdError::Malformed("no mod_revision"))?;
+                let mod_revision =
+                    kv.get("mod_revision").and_then(int).ok_or(EtcdError::Malformed("no mod_revision"))?;
                 Some(Kv { value, mod_revision })
             }
         }
@@ -219,12 +224,19 @@ mod tests {
         let e = parse_txn(503, b"upstream connect error").unwrap_err();
         assert_eq!(e, EtcdError::Status { status: 503, code: None });
         assert!(parse_txn(200, b"{}").is_err());
-        assert!(parse_txn(200, br#"{"header":{"revision":"1"},"responses":[{"response_range":{"kvs":[{"value":"!!"}]}}]}"#).is_err());
+        assert!(parse_txn(
+            200,
+            br#"{"header":{"revision":"1"},"responses":[{"response_range":{"kvs":[{"value":"!!"}]}}]}"#
+        )
+        .is_err());
     }
 
     #[test]
     fn leases() {
-        assert_eq!(parse_grant(200, br#"{"header":{},"ID":"7587862072013137409","TTL":"10"}"#).unwrap(), 7587862072013137409);
+        assert_eq!(
+            parse_grant(200, br#"{"header":{},"ID":"7587862072013137409","TTL":"10"}"#).unwrap(),
+            7587862072013137409
+        );
         assert!(parse_keepalive(200, br#"{"result":{"header":{},"ID":"1","TTL":"9"}}"#).unwrap());
         assert!(!parse_keepalive(200, br#"{"result":{"header":{},"ID":"1"}}"#).unwrap());
     }
