@@ -52,6 +52,7 @@ fuzz:
 	done
 
 lint:
+	cargo fmt --all -- --check
 	cargo clippy --lib --tests -- -D warnings
 	cargo clippy --target $(TARGET) --lib -- -D warnings
 
