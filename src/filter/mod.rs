@@ -194,9 +194,20 @@ impl Vm {
     }
 
     fn complete_ticket(&self, policy: usize, ticket: &Ticket, response: Option<StoredResponse>) {
-        let now = self.now_ms();
         let retention_ms = self.policy(policy).retention_s * 1000;
-        match self.table.complete(ticket, response.as_ref(), now, retention_ms) {
+        self.write_completion(*ticket, response, self.now_ms(), retention_ms, true);
+    }
+
+    /// One attempt at a completion; one the store refused is kept and retried from `on_tick`.
+    fn write_completion(
+        &self,
+        ticket: Ticket,
+        response: Option<StoredResponse>,
+        now_ms: u64,
+        retention_ms: u64,
+        first_try: bool,
+    ) {
+        match self.table.complete(&ticket, response.as_ref(), now_ms, retention_ms) {
             Ok(Finish::Done) => {
                 self.count(Counter::Completed);
                 if response.is_none() {
@@ -212,14 +223,11 @@ impl Vm {
                 self.count(Counter::OwnerLost);
             }
             Err(e) => {
-                log::warn!("completion failed ({e:?}); retrying from on_tick");
-                self.count(Counter::StoreError);
-                self.pending.borrow_mut().push(PendingWrite::Complete {
-                    ticket: *ticket,
-                    response,
-                    now_ms: now,
-                    retention_ms,
-                });
+                if first_try {
+                    log::warn!("completion failed ({e:?}); retrying from on_tick");
+                    self.count(Counter::StoreError);
+                }
+                self.pending.borrow_mut().push(PendingWrite::Complete { ticket, response, now_ms, retention_ms });
             }
         }
     }
@@ -231,19 +239,7 @@ impl Vm {
             match write {
                 PendingWrite::Release { ticket } => self.release_ticket(&ticket),
                 PendingWrite::Complete { ticket, response, now_ms, retention_ms } => {
-                    match self.table.complete(&ticket, response.as_ref(), now_ms, retention_ms) {
-                        Ok(Finish::Done) => {
-                            self.count(Counter::Completed);
-                            self.held(Held::of(State::InProgress, -1).plus(Held::of(State::Completed, 1)));
-                        }
-                        Ok(Finish::Lost) => self.count(Counter::OwnerLost),
-                        Err(_) => self.pending.borrow_mut().push(PendingWrite::Complete {
-                            ticket,
-                            response,
-                            now_ms,
-                            retention_ms,
-                        }),
-                    }
+                    self.write_completion(ticket, response, now_ms, retention_ms, false)
                 }
             }
         }
