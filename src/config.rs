@@ -252,6 +252,11 @@ impl Config {
         self.rules.iter().position(|r| r.matches(path, method, route_name)).map_or(0, |i| i + 1)
     }
 
+    /// Every policy: the base one, then each rule's.
+    pub fn policies(&self) -> impl Iterator<Item = &Policy> {
+        std::iter::once(&self.policy).chain(self.rules.iter().map(|r| &r.policy))
+    }
+
     /// Policy 0 is the base policy; policy `i + 1` is rule `i`'s.
     pub fn policy(&self, index: usize) -> &Policy {
         match index.checked_sub(1).and_then(|i| self.rules.get(i)) {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::{answer_client, etcd, host, send_stored, Call, Job, Owned, Owner, Vm};
+use super::{answer_client, etcd, host, send_stored, status_of, Call, Job, Owned, Owner, Vm};
 use crate::entry::StoredResponse;
 use crate::metrics::Counter;
 use crate::problem::Problem;
@@ -54,14 +54,6 @@ pub(super) fn dispatch_outbox(vm: &Vm) {
 enum Answer {
     Upstream(StoredResponse),
     NoAnswer { status: u16, reason: &'static str },
-}
-
-fn status_of(headers: &[(String, Vec<u8>)]) -> u16 {
-    headers
-        .iter()
-        .find(|(n, _)| n == ":status")
-        .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok())
-        .unwrap_or(0)
 }
 
 fn classify(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {

@@ -184,10 +184,7 @@ pub fn pump(vm: &Vm, now: u64) {
     let Some(cell) = vm.etcd.as_ref() else { return };
     // Keep a retention lease ready for every policy's retention, so that completions do not
     // wait for a grant.
-    let retentions: Vec<u64> = std::iter::once(&vm.config.policy)
-        .chain(vm.config.rules.iter().map(|r| &r.policy))
-        .map(|p| p.retention_s)
-        .collect();
+    let retentions: Vec<u64> = vm.config.policies().map(|p| p.retention_s).collect();
     for retention_s in retentions {
         let grant = {
             let mut e = cell.borrow_mut();

@@ -234,11 +234,7 @@ impl Stream {
         let Phase::Owner { owner, capture: None } = self.phase else { return };
         let vm = self.vm.clone();
         let headers = host::response_headers();
-        let status = headers
-            .iter()
-            .find(|(n, _)| n == ":status")
-            .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok())
-            .unwrap_or(0);
+        let status = super::status_of(&headers);
         // Only an answer the upstream really gave completes the key; Envoy's own (connect
         // failure, reset, route timeout) says the work may not have happened (SPEC §4).
         let via_upstream = host::property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");

@@ -260,8 +260,7 @@ impl Vm {
 
     /// Whether any policy holds duplicates (it wants a fast timer).
     pub fn waits(&self) -> bool {
-        let wait = |p: &Policy| p.on_conflict == crate::config::OnConflict::Wait;
-        wait(&self.config.policy) || self.config.rules.iter().any(|r| wait(&r.policy))
+        self.config.policies().any(|p| p.on_conflict == crate::config::OnConflict::Wait)
     }
 }
 
@@ -305,6 +304,9 @@ pub enum Verdict {
 /// Turns the table's answer into a verdict and counts it.
 pub fn judge(vm: &Vm, policy: &Policy, begin: Result<crate::engine::Begin, StoreError>) -> Verdict {
     use crate::engine::Begin;
+    if let Some(counter) = counter_of(&begin) {
+        vm.count(counter);
+    }
     match begin {
         Ok(Begin::Claimed { ticket, takeover, evicted }) => {
             vm.count(Counter::Claimed);
@@ -315,27 +317,27 @@ pub fn judge(vm: &Vm, policy: &Policy, begin: Result<crate::engine::Begin, Store
             Verdict::Claimed(Owner::Table(ticket))
         }
         Ok(Begin::InProgress) => Verdict::InProgress,
-        Ok(Begin::Replay(response)) => {
-            vm.count(Counter::Replayed);
-            Verdict::Replay(response)
+        Ok(Begin::Replay(response)) => Verdict::Replay(response),
+        Ok(Begin::CompletedWithoutBody) => Verdict::Problem(Problem::completed_without_response()),
+        Ok(Begin::Mismatch) => Verdict::Problem(Problem::fingerprint_mismatch()),
+        Ok(Begin::Full) => Verdict::Problem(Problem::store_full(policy.retry_after_s)),
+        Err(e) => {
+            log::warn!("store error {e:?}");
+            Verdict::Problem(Problem::store_unavailable(policy.retry_after_s))
         }
-        Ok(Begin::CompletedWithoutBody) => {
-            vm.count(Counter::Conflict);
-            Verdict::Problem(Problem::completed_without_response())
-        }
-        Ok(Begin::Mismatch) => {
-            vm.count(Counter::FingerprintMismatch);
-            Verdict::Problem(Problem::fingerprint_mismatch())
-        }
-        Ok(Begin::Full) => {
-            vm.count(Counter::StoreFull);
-            Verdict::Problem(Problem::store_full(policy.retry_after_s))
-        }
-        Err(e) => Verdict::Problem(vm.store_problem(e, policy.retry_after_s)),
     }
 }
 
-/// The counter `judge` adds to for an answer (claims and in-progress are counted elsewhere).
+/// The `:status` of a header map, 0 when absent or not a number.
+pub fn status_of(headers: &[(String, Vec<u8>)]) -> u16 {
+    headers
+        .iter()
+        .find(|(n, _)| n == ":status")
+        .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok())
+        .unwrap_or(0)
+}
+
+/// The counter an answer adds to (claims and in-progress are counted by their callers).
 pub fn counter_of(begin: &Result<crate::engine::Begin, StoreError>) -> Option<Counter> {
     use crate::engine::Begin;
     match begin {

@@ -79,17 +79,11 @@ impl RootContext for Root {
         }
         let mut vm = Vm::new(config, table);
         if let StoreConfig::Etcd(cfg) = &vm.config.store {
-            let max_lease = std::iter::once(&vm.config.policy)
-                .chain(vm.config.rules.iter().map(|r| &r.policy))
-                .map(|p| p.lease_ms)
-                .max()
-                .unwrap_or(10_000);
+            let max_lease = vm.config.policies().map(|p| p.lease_ms).max().unwrap_or(10_000);
             vm.etcd = Some(std::cell::RefCell::new(etcd::Etcd::new(cfg.clone(), max_lease)));
         }
         let vm = Rc::new(vm);
-        let detached = std::iter::once(&vm.config.policy)
-            .chain(vm.config.rules.iter().map(|r| &r.policy))
-            .any(|p| p.forward == Forward::Detached);
+        let detached = vm.config.policies().any(|p| p.forward == Forward::Detached);
         if detached || vm.etcd.is_some() {
             // One queue per VM, under a name no other VM uses: the last VM to register a name
             // receives all its notifications (SPEC §4).
@@ -193,11 +187,7 @@ pub(super) fn renew(vm: &Vm, now: u64, from_root: bool) {
     if (!from_root && vm.etcd.is_some()) || now < vm.next_renewal_ms.get() {
         return;
     }
-    let min_lease = std::iter::once(&vm.config.policy)
-        .chain(vm.config.rules.iter().map(|r| &r.policy))
-        .map(|p| p.lease_ms)
-        .min()
-        .unwrap_or(10_000);
+    let min_lease = vm.config.policies().map(|p| p.lease_ms).min().unwrap_or(10_000);
     vm.next_renewal_ms.set(now + (min_lease / 16).max(10));
     let lease = |policy: usize| vm.policy(policy).lease_ms;
     let due = |renewed: u64, policy: usize| now.saturating_sub(renewed) >= lease(policy) / 4;
