@@ -15,14 +15,21 @@ Processes (all on 127.0.0.1, each stopped through its own PID):
       etcd   the plugin, store etcd                                  -> B2 etcd
       wasm_noop  the control filter "noop", route to the upstream    -> W0 (GET)
       wasm_local the control filter "local" (answers by itself)      -> W2
+      wasm_buffer the control filter "buffer", route to the upstream -> W1 (POST)
+      wasm_detach the control filter "detach" (root sends upstream)  -> W3 (POST)
     Each plugin listener has its own vm_id and namespace (its own VMs and table); each
     control listener has its own vm_id too.
 
 The controls (bench/controls/, built by `make bench`) are the floor of any proxy-wasm filter:
 W0 a Wasm filter that does nothing, W2 a Wasm filter that reads the whole request and answers
-201 itself. Envoy pays for the VM calls, the header map and the local reply through the ABI
-whatever the filter does, so W0/A GET and W2/C are the best ratios a Wasm filter can reach
-on this machine, and B1/W0, B3/W2, B4/W2 what the plugin costs above that floor.
+201 itself, W1 a Wasm filter that reads the whole request before it lets it go to the router
+(what a first call in forward "router" needs: the body is part of the fingerprint), W3 a Wasm
+filter that reads the whole request and has its root send it upstream and answers the client
+with the upstream's answer (what a first call in forward "detached" needs). Envoy pays for the
+VM calls, the header map, the paused request, the root's call and the local reply through the
+ABI whatever the filter does, so W0/A GET, W3/A and W2/C are the best ratios a Wasm filter
+can reach on this machine for B1, B2 and B3/B4, and B1/W0, B2/W3, B3/W2, B4/W2 what the
+plugin costs above that floor.
 
 Load: wrk (one thread pinned to core 1, 32 keep-alive connections, 4 s per run) with
 bench/unique.lua (a new Idempotency-Key per request) or bench/fixed.lua (one request,
@@ -38,9 +45,10 @@ use) before and after 10,000 unique keys whose upstream answer is 1 KiB; the con
 same number of requests without a key on the same listener.
 
 Writes docs/bench/results.json, results.md and chart.svg; the last three lines printed are
-`RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`,
-`FLOOR passthrough=<W0/A GET> local_answer=<W2/C>` and
-`VS_FLOOR passthrough=<B1/W0> replay=<B3/W2> conflict=<B4/W2>`.
+`FLOOR passthrough=<W0/A GET> first_call=<W3/A> first_call_router=<W1/A> local_answer=<W2/C>`,
+`VS_FLOOR passthrough=<B1/W0> first_call=<B2 detached/W3> first_call_router=<B2 router/W1>
+replay=<B3/W2> conflict=<B4/W2>` and, last,
+`RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`.
 """
 
 import argparse
@@ -103,6 +111,12 @@ CASES = [
      "script": "unique", "method": "GET", "expect": "2xx"},
     {"id": "B1", "label": "B1: plugin, request not covered (GET)", "listener": "plugin",
      "script": "unique", "method": "GET", "expect": "2xx"},
+    # The floors of any Wasm filter on B2's paths: the control filter reads the whole request,
+    # then lets the router send it (W1), or has its root send it and answers itself (W3).
+    {"id": "W1", "label": "W1: a Wasm filter reading the request, router", "listener": "wasm_buffer",
+     "script": "unique", "method": "POST", "expect": "2xx"},
+    {"id": "W3", "label": "W3: a Wasm filter reading the request, root sends it",
+     "listener": "wasm_detach", "script": "unique", "method": "POST", "expect": "2xx"},
     {"id": "B2_detached", "label": "B2: plugin, first call, detached", "listener": "plugin",
      "script": "unique", "method": "POST", "expect": "claimed"},
     {"id": "B2_router", "label": "B2: plugin, first call, router", "listener": "router",
@@ -286,7 +300,7 @@ def control(mode, wasm):
 
 def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacity, cpus):
     ports = {n: free_port() for n in ("bare", "local", "plugin", "router", "etcd",
-                                      "wasm_noop", "wasm_local")}
+                                      "wasm_noop", "wasm_local", "wasm_buffer", "wasm_detach")}
     base = {"capacity": capacity}
     # lease_ms 2000 (renewed every 500 ms): the conflict case's slow call (several seconds)
     # only stays in progress because its lease is renewed.
@@ -311,9 +325,15 @@ def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacit
             # Routed to the upstream: an answer from there would be a failure of the case.
             listener("wasm_local", ports["wasm_local"], [to_cluster("upstream")],
                      [control("local", control_wasm)]),
+            listener("wasm_buffer", ports["wasm_buffer"], [to_cluster("upstream")],
+                     [control("buffer", control_wasm)]),
+            # The root sends to the cluster "upstream"; the route is never taken.
+            listener("wasm_detach", ports["wasm_detach"], [to_cluster("upstream")],
+                     [control("detach", control_wasm)]),
         ]
     else:
-        del ports["wasm_noop"], ports["wasm_local"]
+        for name in ("wasm_noop", "wasm_local", "wasm_buffer", "wasm_detach"):
+            del ports[name]
     clusters = [static_cluster("upstream", upstream_port), static_cluster("slow", slow_port)]
     if etcd_port:
         listeners.append(listener("etcd", ports["etcd"], [to_cluster("upstream")],
@@ -591,6 +611,12 @@ def main():
             r = post(ports["wasm_local"], f"chk-w2-{nonce}")
             assert r.status == 201 and r.body == UPSTREAM_BODY.encode() \
                 and r.header("x-envoy-upstream-service-time") is None, r
+            # W1 and W3 reach the upstream: W1 through the router, W3 by the root's call
+            # (whose answer the control sends on, with the upstream's own headers).
+            for fam in ("wasm_buffer", "wasm_detach"):
+                r = post(ports[fam], f"chk-{fam}-{nonce}")
+                assert r.status == 201 and r.body == UPSTREAM_BODY.encode() \
+                    and r.header("x-envoy-upstream-service-time") is not None, (fam, r)
         for fam in [c["listener"] for c in cases if c["expect"] == "claimed"]:
             k = f"chk-{fam}-{nonce}"
             first, again = post(ports[fam], k), post(ports[fam], k)
@@ -737,9 +763,9 @@ def main():
         f"({results['elapsed_s']:.0f} s)")
     log("CPU per request, same pairs (cost x): " + " ".join(
         f"{k}={v:.2f}" for k, v in cpu_ratios.items()))
-    log("RATIOS " + " ".join(f"{k}={v:.2f}" for k, v in ratios.items()))
     log("FLOOR " + " ".join(f"{k}={v:.2f}" for k, v in floor.items()))
     log("VS_FLOOR " + " ".join(f"{k}={v:.2f}" for k, v in vs_floor.items()))
+    log("RATIOS " + " ".join(f"{k}={v:.2f}" for k, v in ratios.items()))
 
 
 def measure_memory(env, n, nonce, capacity):
@@ -846,8 +872,10 @@ def compute_floor(summary, field):
 
     def ratio(a, b):
         return v[a] / v[b] if v.get(a) and v.get(b) else float("nan")
-    return ({"passthrough": ratio("W0", "A_GET"), "local_answer": ratio("W2", "C")},
-            {"passthrough": ratio("B1", "W0"), "replay": ratio("B3", "W2"),
+    return ({"passthrough": ratio("W0", "A_GET"), "first_call": ratio("W3", "A"),
+             "first_call_router": ratio("W1", "A"), "local_answer": ratio("W2", "C")},
+            {"passthrough": ratio("B1", "W0"), "first_call": ratio("B2_detached", "W3"),
+             "first_call_router": ratio("B2_router", "W1"), "replay": ratio("B3", "W2"),
              "conflict": ratio("B4", "W2")})
 
 
@@ -924,14 +952,21 @@ def markdown(res):
         "409 against Envoy's own answer |",
         "",
         "The floor: what any proxy-wasm filter costs, measured in the same run with the "
-        "control filters of `bench/controls/` (W0 does nothing; W2 reads the whole request "
-        "and answers 201 with the same body as C). The floor ratios are about the best a Wasm "
-        "filter reaches here; the second table is the plugin's cost above them.",
+        "control filters of `bench/controls/` (W0 does nothing; W1 reads the whole request, "
+        "then lets the router send it; W3 reads the whole request, has its root send it "
+        "upstream through a shared queue and answers the client with the upstream's answer; "
+        "W2 reads the whole request and answers 201 with the same body as C). The floor ratios "
+        "are about the best a Wasm filter reaches here; the second table is the plugin's cost "
+        "above them.",
         "",
         "| floor (req/s) | value | Envoy CPU per request (×) | meaning |",
         "|---|---:|---:|---|",
         f"| passthrough = W0/A (GET) | {floor['passthrough']:.2f} | "
         f"{cpu_floor['passthrough']:.2f} | a Wasm filter that does nothing |",
+        f"| first_call = W3/A (POST) | {floor['first_call']:.2f} | "
+        f"{cpu_floor['first_call']:.2f} | a Wasm filter whose root sends the request |",
+        f"| first_call_router = W1/A (POST) | {floor['first_call_router']:.2f} | "
+        f"{cpu_floor['first_call_router']:.2f} | a Wasm filter reading the request first |",
         f"| local_answer = W2/C | {floor['local_answer']:.2f} | "
         f"{cpu_floor['local_answer']:.2f} | a Wasm filter answering by itself |",
         "",
@@ -939,6 +974,10 @@ def markdown(res):
         "|---|---:|---:|---|",
         f"| passthrough = B1/W0 | {vs_floor['passthrough']:.2f} | "
         f"{cpu_vs_floor['passthrough']:.2f} | the plugin on a request it does not cover |",
+        f"| first_call = B2 detached/W3 | {vs_floor['first_call']:.2f} | "
+        f"{cpu_vs_floor['first_call']:.2f} | claim and store, detached |",
+        f"| first_call_router = B2 router/W1 | {vs_floor['first_call_router']:.2f} | "
+        f"{cpu_vs_floor['first_call_router']:.2f} | claim and store, router |",
         f"| replay = B3/W2 | {vs_floor['replay']:.2f} | {cpu_vs_floor['replay']:.2f} | "
         "the plugin's replay against a minimal local answer |",
         f"| conflict = B4/W2 | {vs_floor['conflict']:.2f} | {cpu_vs_floor['conflict']:.2f} | "
@@ -989,9 +1028,11 @@ def markdown(res):
         "- B2 stores every key (default `retention_s`), in a table of "
         f"{meth['capacity_first_call']:,} entries; B2 etcd uses one local etcd "
         "(tests/etcd_util.py, data on local disk).",
-        "- W0, W2: the control filters (`bench/controls/`, built by `make bench`), each "
+        "- W0–W3: the control filters (`bench/controls/`, built by `make bench`), each "
         "listener with its own `vm_id`: W0 (`noop`) returns Continue from every callback, "
-        "GET through the upstream as A GET and B1; W2 (`local`) waits for the whole request, "
+        "GET through the upstream as A GET and B1; W1 (`buffer`) and W3 (`detach`) send "
+        "`bench/unique.lua`'s POSTs as A and B2 (W3's root sends them with "
+        "`dispatch_http_call`, as the plugin's detached mode); W2 (`local`) waits for the whole request, "
         "reads its headers and body and answers 201 itself, `bench/fixed.lua` as C, B3 and "
         "B4 (checked: no request of W2 reaches the upstream).",
         "- B3: one key completed before the run, replayed. B4: per run, one request with a "
@@ -1018,7 +1059,7 @@ def svg_chart(summary, machine):
     legend = [("#7f7f7f", "Envoy, no filter"), ("#8e6bbf", "control Wasm filter"),
               ("#2f6db5", "the plugin"), ("#d9822b", "the plugin, etcd store")]
     colors = {"A": "#7f7f7f", "A_GET": "#7f7f7f", "C": "#7f7f7f", "W0": "#8e6bbf",
-              "W2": "#8e6bbf", "B2_etcd": "#d9822b"}
+              "W2": "#8e6bbf", "W1": "#8e6bbf", "W3": "#8e6bbf", "B2_etcd": "#d9822b"}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 90}" '
            f'height="{height}" font-family="sans-serif" font-size="13">',
            f'<rect width="100%" height="100%" fill="white"/>',

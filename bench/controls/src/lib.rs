@@ -8,41 +8,112 @@
 //! - "noop": every callback returns Continue and calls nothing (case W0, against A GET and B1);
 //! - "headers": reads the request header map (as the plugin does), then Continue;
 //! - "local": waits for the whole request, reads its headers and body, and answers 201 with
-//!   the upstream's JSON body itself (case W2, against C, B3 and B4).
+//!   the upstream's JSON body itself (case W2, against C, B3 and B4);
+//! - "buffer": waits for the whole request, reads its headers and body, then lets it go to
+//!   the router (case W1, the floor of the plugin's first call in `forward: "router"`);
+//! - "detach": waits for the whole request, reads its headers and body, and has the root send
+//!   it upstream with `dispatch_http_call` through a shared queue, then answers the client
+//!   with the upstream's status, headers and body (case W3, the floor of the plugin's first
+//!   call in `forward: "detached"`, which must send from the root so that the call outlives
+//!   the client's stream).
 use proxy_wasm::traits::*;
 use proxy_wasm::types::*;
+use std::cell::RefCell;
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
+use std::time::Duration;
 
 const BODY: &[u8] = br#"{"id":"pay_1","status":"created"}"#;
 
 proxy_wasm::main! {{
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root { mode: Mode::Noop }) });
+    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root { id, mode: Mode::Noop, queue: 0 }) });
 }}
+
+/// A request one HTTP context hands to the root (mode "detach").
+struct Job {
+    context_id: u32,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+thread_local! {
+    static OUTBOX: RefCell<VecDeque<Job>> = const { RefCell::new(VecDeque::new()) };
+    static QUEUE: RefCell<u32> = const { RefCell::new(0) };
+    /// Calls in flight: token -> the HTTP context to answer.
+    static CALLS: RefCell<HashMap<u32, u32>> = RefCell::new(HashMap::new());
+}
 
 #[derive(Clone, Copy, PartialEq)]
 enum Mode {
     Noop,
     Headers,
     Local,
+    Buffer,
+    Detach,
 }
 
 struct Root {
+    id: u32,
     mode: Mode,
+    queue: u32,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
+        let headers = self.get_http_call_response_headers_bytes();
+        let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
+        let Some(context_id) = CALLS.with(|c| c.borrow_mut().remove(&token)) else { return };
+        if proxy_wasm::hostcalls::set_effective_context(context_id).is_ok() {
+            let status = headers
+                .iter()
+                .find(|(n, _)| n == ":status")
+                .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok())
+                .unwrap_or(502);
+            let headers: Vec<(&str, &str)> = headers
+                .iter()
+                .filter(|(n, _)| !n.starts_with(':'))
+                .filter_map(|(n, v)| Some((n.as_str(), std::str::from_utf8(v).ok()?)))
+                .collect();
+            let _ = proxy_wasm::hostcalls::send_http_response(status, headers, Some(&body));
+        }
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _: usize) -> bool {
         self.mode = match self.get_plugin_configuration().unwrap_or_default().as_slice() {
             b"headers" => Mode::Headers,
             b"local" => Mode::Local,
+            b"buffer" => Mode::Buffer,
+            b"detach" => Mode::Detach,
             _ => Mode::Noop,
         };
+        if self.mode == Mode::Detach {
+            // A queue name per VM (the last VM to register a name gets its notifications).
+            let mut h = RandomState::new().build_hasher();
+            h.write_u32(self.id);
+            let name = format!("bench_control_detach:{:016x}", h.finish());
+            self.queue = self.register_shared_queue(&name);
+            QUEUE.with(|q| *q.borrow_mut() = self.queue);
+        }
         true
     }
 
-    fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Stream { mode: self.mode }))
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        while let Ok(Some(_)) = proxy_wasm::hostcalls::dequeue_shared_queue(queue_id) {}
+        while let Some(job) = OUTBOX.with(|o| o.borrow_mut().pop_front()) {
+            let headers: Vec<(&str, &str)> = job.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+            if let Ok(token) =
+                self.dispatch_http_call("upstream", headers, Some(&job.body), vec![], Duration::from_secs(5))
+            {
+                CALLS.with(|c| c.borrow_mut().insert(token, job.context_id));
+            }
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream { mode: self.mode, id: context_id, headers: Vec::new() }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -52,11 +123,34 @@ impl RootContext for Root {
 
 struct Stream {
     mode: Mode,
+    id: u32,
+    headers: Vec<(String, Vec<u8>)>,
 }
 
 impl Stream {
     fn answer(&self) {
         self.send_http_response(201, vec![("content-type", "application/json")], Some(BODY));
+    }
+
+    /// The whole request is here (modes local, buffer, detach).
+    fn whole_request(&mut self, body: Vec<u8>) -> Action {
+        match self.mode {
+            Mode::Buffer => Action::Continue,
+            Mode::Detach => {
+                let headers = std::mem::take(&mut self.headers)
+                    .into_iter()
+                    .filter_map(|(n, v)| Some((n, String::from_utf8(v).ok()?)))
+                    .collect();
+                OUTBOX.with(|o| o.borrow_mut().push_back(Job { context_id: self.id, headers, body }));
+                let queue = QUEUE.with(|q| *q.borrow());
+                let _ = proxy_wasm::hostcalls::enqueue_shared_queue(queue, Some(b"job"));
+                Action::Pause
+            }
+            _ => {
+                self.answer();
+                Action::Pause
+            }
+        }
     }
 }
 
@@ -67,26 +161,25 @@ impl HttpContext for Stream {
         if self.mode == Mode::Noop {
             return Action::Continue;
         }
-        std::hint::black_box(self.get_http_request_headers_bytes());
+        self.headers = std::hint::black_box(self.get_http_request_headers_bytes());
         if self.mode == Mode::Headers {
             return Action::Continue;
         }
         if end_of_stream {
-            self.answer();
+            return self.whole_request(Vec::new());
         }
         // Needs allow_on_headers_stop_iteration (as the plugin) to still get the body.
         Action::Pause
     }
 
     fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
-        if self.mode != Mode::Local {
+        if matches!(self.mode, Mode::Noop | Mode::Headers) {
             return Action::Continue;
         }
         if !end_of_stream {
             return Action::Pause;
         }
-        std::hint::black_box(self.get_http_request_body(0, size));
-        self.answer();
-        Action::Pause
+        let body = std::hint::black_box(self.get_http_request_body(0, size).unwrap_or_default());
+        self.whole_request(body)
     }
 }
