@@ -1,14 +1,16 @@
 //! The errors the plugin answers itself (SPEC §3.6): `application/problem+json` (RFC 9457)
 //! with `type`, `title`, `status`, `detail`, `retryable` and, when retryable, `retry_after`.
 
-use serde_json::json;
+use std::borrow::Cow;
+use std::io::Write;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
     pub status: u16,
     slug: &'static str,
     title: &'static str,
-    detail: String,
+    /// Borrowed when it is a constant: most problems allocate nothing for it.
+    detail: Cow<'static, str>,
     /// Seconds the client should wait; `Some` makes the problem retryable.
     pub retry_after: Option<u64>,
 }
@@ -21,13 +23,13 @@ impl Problem {
             400,
             "missing-key",
             "An Idempotency-Key is required for this request",
-            format!("This operation requires the `{header}` header."),
+            format!("This operation requires the `{header}` header.").into(),
             None,
         )
     }
 
     pub fn invalid_key(detail: String) -> Problem {
-        Problem::new(400, "invalid-key", "The Idempotency-Key is malformed", detail, None)
+        Problem::new(400, "invalid-key", "The Idempotency-Key is malformed", detail.into(), None)
     }
 
     pub fn duplicate_key_header(header: &str) -> Problem {
@@ -35,7 +37,7 @@ impl Problem {
             400,
             "invalid-key",
             "The Idempotency-Key is malformed",
-            format!("The `{header}` header must appear once."),
+            format!("The `{header}` header must appear once.").into(),
             None,
         )
     }
@@ -65,7 +67,7 @@ impl Problem {
             413,
             "body-too-large",
             "The request body is too large",
-            format!("Requests with an Idempotency-Key may carry at most {limit} bytes."),
+            format!("Requests with an Idempotency-Key may carry at most {limit} bytes.").into(),
             None,
         )
     }
@@ -111,7 +113,7 @@ impl Problem {
             status,
             "upstream-failed",
             title,
-            format!("{reason}; the Idempotency-Key was released and the request may be retried."),
+            format!("{reason}; the Idempotency-Key was released and the request may be retried.").into(),
             Some(retry_after_s),
         )
     }
@@ -128,22 +130,31 @@ impl Problem {
         )
     }
 
-    fn new(status: u16, slug: &'static str, title: &'static str, detail: String, retry_after: Option<u64>) -> Problem {
+    fn new(
+        status: u16,
+        slug: &'static str,
+        title: &'static str,
+        detail: Cow<'static, str>,
+        retry_after: Option<u64>,
+    ) -> Problem {
         Problem { status, slug, title, detail, retry_after }
     }
 
+    /// The JSON body, members in alphabetical order. Written directly (serde_json escapes the
+    /// strings): building a `serde_json::Value` map first cost 2 µs a 409 natively, more than
+    /// three times the table lookup that decided it.
     pub fn body(&self) -> Vec<u8> {
-        let mut v = json!({
-            "type": format!("{TYPE_PREFIX}{}", self.slug),
-            "title": self.title,
-            "status": self.status,
-            "detail": self.detail,
-            "retryable": self.retry_after.is_some(),
-        });
-        if let (Some(s), Some(obj)) = (self.retry_after, v.as_object_mut()) {
-            obj.insert("retry_after".into(), json!(s));
+        let mut out = Vec::with_capacity(128 + self.title.len() + self.detail.len());
+        out.extend_from_slice(b"{\"detail\":");
+        json_string(&mut out, &self.detail);
+        if let Some(s) = self.retry_after {
+            let _ = write!(out, ",\"retry_after\":{s}");
         }
-        v.to_string().into_bytes()
+        let _ = write!(out, ",\"retryable\":{},\"status\":{},\"title\":", self.retry_after.is_some(), self.status);
+        json_string(&mut out, self.title);
+        // The prefix and slugs are plain ASCII: nothing to escape.
+        let _ = write!(out, ",\"type\":\"{TYPE_PREFIX}{}\"}}", self.slug);
+        out
     }
 
     /// Response headers besides `:status`.
@@ -154,6 +165,12 @@ impl Problem {
         }
         h
     }
+}
+
+/// Appends `s` as a JSON string.
+fn json_string(out: &mut Vec<u8>, s: &str) {
+    // Writing a `&str` into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(out, s);
 }
 
 #[cfg(test)]
@@ -172,6 +189,33 @@ mod tests {
         assert!(v["type"].as_str().unwrap().starts_with("urn:"));
         assert!(p.headers().contains(&("retry-after", b"1".to_vec())));
         assert!(p.headers().contains(&("content-type", b"application/problem+json".to_vec())));
+    }
+
+    /// The body is what a `serde_json::Value` map of the members renders: the same bytes.
+    #[test]
+    fn body_is_the_json_of_its_members() {
+        for p in [
+            Problem::in_progress(7),
+            Problem::fingerprint_mismatch(),
+            Problem::completed_without_response(),
+            Problem::body_too_large(10),
+            Problem::missing_key("x-\"quoted\"\\key"),
+            Problem::invalid_key("control \u{1} and é".into()),
+            Problem::upstream_failed(504, "late", 3),
+            Problem::body_unavailable(),
+        ] {
+            let mut v = serde_json::json!({
+                "type": format!("{TYPE_PREFIX}{}", p.slug),
+                "title": p.title,
+                "status": p.status,
+                "detail": p.detail,
+                "retryable": p.retry_after.is_some(),
+            });
+            if let Some(s) = p.retry_after {
+                v.as_object_mut().unwrap().insert("retry_after".into(), s.into());
+            }
+            assert_eq!(String::from_utf8(p.body()).unwrap(), v.to_string());
+        }
     }
 
     #[test]

@@ -18,21 +18,29 @@ pub(super) fn dispatch_outbox(vm: &Vm) {
         let headers: Vec<(&str, &str)> = request.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         let policy = vm.policy(job.policy);
         let timeout = Duration::from_millis(policy.upstream_timeout_ms);
-        // The job may have waited (a busy worker's event loop): renew the mark now, so that
-        // the lease counts from the moment the call leaves, not from the claim.
+        // The job may have waited (a busy worker's event loop): if the lease is no longer
+        // fresh, renew the mark now, so that it counts from the moment the call leaves. A fresh
+        // table lease (the usual case: the queue hop takes microseconds) is left to the
+        // periodic renewal, due after the same lease_ms / 4: one store write fewer per call.
+        // An etcd lease was set when its claim left, before the store's round trip: renewed.
         let now = vm.now_ms();
-        match job.owner {
-            Some(Owner::Table(ticket)) => {
-                if let Err(e) = vm.table.renew(&ticket, now, policy.lease_ms) {
-                    log::warn!("renewal before dispatch failed: {e:?}");
+        let mut renewed_ms = job.leased_ms;
+        let etcd = matches!(job.owner, Some(Owner::Etcd(_)));
+        if etcd || now.saturating_sub(job.leased_ms) >= policy.lease_ms / 4 {
+            renewed_ms = now;
+            match job.owner {
+                Some(Owner::Table(ticket)) => {
+                    if let Err(e) = vm.table.renew(&ticket, now, policy.lease_ms) {
+                        log::warn!("renewal before dispatch failed: {e:?}");
+                    }
                 }
+                Some(Owner::Etcd(id)) => etcd::renew(vm, id, now, policy.lease_ms),
+                None => {}
             }
-            Some(Owner::Etcd(id)) => etcd::renew(vm, id, now, policy.lease_ms),
-            None => {}
         }
         match host::dispatch(&request.cluster, headers, &request.body, timeout) {
             Ok(token) => {
-                let call = Call { context_id: job.context_id, policy: job.policy, owner: job.owner, renewed_ms: now };
+                let call = Call { context_id: job.context_id, policy: job.policy, owner: job.owner, renewed_ms };
                 vm.calls.borrow_mut().insert(token, call);
             }
             Err(status) => {
@@ -130,7 +138,7 @@ pub(super) fn promote(
 ) {
     match outbound {
         Some(request) => {
-            vm.outbox.borrow_mut().push_back(Job { context_id, policy, owner: Some(owner), request });
+            vm.outbox.borrow_mut().push_back(Job { context_id, policy, owner: Some(owner), leased_ms: now, request });
             dispatch_outbox(vm);
         }
         None => {
@@ -155,7 +163,7 @@ pub(super) fn pass_through(vm: &Vm, context_id: u32, policy: usize, outbound: Op
     }
     match outbound {
         Some(request) => {
-            vm.outbox.borrow_mut().push_back(Job { context_id, policy, owner: None, request });
+            vm.outbox.borrow_mut().push_back(Job { context_id, policy, owner: None, leased_ms: 0, request });
             dispatch_outbox(vm);
         }
         None => {

@@ -41,8 +41,8 @@ enum Phase {
 struct Pending {
     key: StoreKey,
     fingerprint: FingerprintBuilder,
-    /// The request's cluster and headers, when the root can send it itself.
-    detached: Option<(String, Vec<(String, String)>)>,
+    /// The request's headers, kept when the root may have to send it (detached forwarding).
+    headers: Option<Vec<(String, Vec<u8>)>>,
 }
 
 /// The upstream's answer as it streams past, kept for the stored response.
@@ -126,9 +126,9 @@ impl Stream {
         for name in &policy.fingerprint_headers {
             fingerprint.header(name, headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()));
         }
-        let detached = if policy.forward == Forward::Detached { detachable(&headers) } else { None };
+        let headers = (policy.forward == Forward::Detached).then_some(headers);
         vm.live.borrow_mut().insert(self.id);
-        self.phase = Phase::ReadingBody(Box::new(Pending { key, fingerprint, detached }));
+        self.phase = Phase::ReadingBody(Box::new(Pending { key, fingerprint, headers }));
         if end_of_stream {
             self.claim(Vec::new())
         } else {
@@ -144,7 +144,7 @@ impl Stream {
         let Phase::ReadingBody(pending) = std::mem::replace(&mut self.phase, Phase::Pass) else {
             return Action::Continue;
         };
-        let Pending { key, mut fingerprint, detached } = *pending;
+        let Pending { key, mut fingerprint, headers } = *pending;
         let vm = self.vm.clone();
         let policy = vm.policy(self.policy);
         if policy.fingerprint_body {
@@ -153,7 +153,8 @@ impl Stream {
         let fingerprint = fingerprint.finish();
         let now = vm.now_ms();
         super::root::renew(&vm, now, false);
-        let outbound = detached.map(|(cluster, headers)| Outbound { cluster, headers, body });
+        // Built only for requests that may go upstream: replays and 409s never need it.
+        let outbound = move || outbound_request(headers, body);
         if vm.etcd.is_some() {
             // The fleet store answers asynchronously: the root resumes or answers us.
             let mut tag = [0u8; 16];
@@ -165,7 +166,7 @@ impl Stream {
                 key: name,
                 tag,
                 fingerprint,
-                outbound,
+                outbound: outbound(),
                 wait_deadline: None,
                 next_poll_ms: 0,
                 attempts: 0,
@@ -178,12 +179,13 @@ impl Stream {
         let begin = vm.table.begin(&key, &fingerprint, now, policy.lease_ms);
         log::debug!("key {} -> {}", key.short(), describe(&begin));
         match judge(&vm, policy, begin) {
-            Verdict::Claimed(owner) => match (outbound, vm.queue_id.get()) {
+            Verdict::Claimed(owner) => match (outbound(), vm.queue_id.get()) {
                 (Some(request), Some(queue)) => {
                     vm.outbox.borrow_mut().push_back(Job {
                         context_id: self.id,
                         policy: self.policy,
                         owner: Some(owner),
+                        leased_ms: now,
                         request,
                     });
                     if !host::enqueue(queue) {
@@ -203,8 +205,14 @@ impl Stream {
                 if policy.on_conflict == OnConflict::Wait && room {
                     vm.count(Counter::Waited);
                     let deadline_ms = now.saturating_add(policy.wait_max_ms);
-                    let waiter =
-                        Waiter { context_id: self.id, policy: self.policy, key, fingerprint, deadline_ms, outbound };
+                    let waiter = Waiter {
+                        context_id: self.id,
+                        policy: self.policy,
+                        key,
+                        fingerprint,
+                        deadline_ms,
+                        outbound: outbound(),
+                    };
                     vm.waiters.borrow_mut().push(waiter);
                     self.phase = Phase::Waiting;
                     return Action::Pause;
@@ -307,19 +315,18 @@ fn scope_values(policy: &Policy, headers: &[(String, Vec<u8>)]) -> Vec<Option<Ve
     scopes
 }
 
-/// The request's cluster and headers, if the root can send it: the route names a cluster and
-/// every header value is UTF-8 (`dispatch_http_call` takes `&str`). Otherwise the router sends
-/// it, so nothing is altered.
-fn detachable(headers: &[(String, Vec<u8>)]) -> Option<(String, Vec<(String, String)>)> {
+/// The request as the root would send it, if it can: detached forwarding applies (`headers`
+/// kept), the route names a cluster and every header value is UTF-8 (`dispatch_http_call`
+/// takes `&str`). Otherwise the router sends it, so nothing is altered.
+fn outbound_request(headers: Option<Vec<(String, Vec<u8>)>>, body: Vec<u8>) -> Option<Outbound> {
+    let headers = headers?;
     let cluster = String::from_utf8(host::property(&["xds", "cluster_name"])?).ok()?;
     if cluster.is_empty() {
         return None;
     }
-    let headers = headers
-        .iter()
-        .map(|(n, v)| Some((n.clone(), String::from_utf8(v.clone()).ok()?)))
-        .collect::<Option<Vec<_>>>()?;
-    Some((cluster, headers))
+    let headers =
+        headers.into_iter().map(|(n, v)| Some((n, String::from_utf8(v).ok()?))).collect::<Option<Vec<_>>>()?;
+    Some(Outbound { cluster, headers, body })
 }
 
 impl Context for Stream {

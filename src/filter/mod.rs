@@ -45,6 +45,8 @@ pub struct Job {
     pub policy: usize,
     /// `None`: forwarded without a claim (etcd unavailable, `on_unavailable: "pass"`).
     pub owner: Option<Owner>,
+    /// When the owner's lease was last set (the claim): see `dispatch_outbox`.
+    pub leased_ms: u64,
     pub request: Outbound,
 }
 
