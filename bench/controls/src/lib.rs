@@ -15,7 +15,9 @@
 //!   it upstream with `dispatch_http_call` through a shared queue, then answers the client
 //!   with the upstream's status, headers and body (case W3, the floor of the plugin's first
 //!   call in `forward: "detached"`, which must send from the root so that the call outlives
-//!   the client's stream).
+//!   the client's stream);
+//! - "calls:<kind>:<n>": makes n host calls of one kind in each request's header callback,
+//!   then Continue (bench/hostcalls.py: what one host call costs Envoy, against "noop").
 use proxy_wasm::traits::*;
 use proxy_wasm::types::*;
 use std::cell::RefCell;
@@ -27,7 +29,7 @@ use std::time::Duration;
 const BODY: &[u8] = br#"{"id":"pay_1","status":"created"}"#;
 
 proxy_wasm::main! {{
-    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root { id, mode: Mode::Noop, queue: 0 }) });
+    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root { id, mode: Mode::Noop, queue: 0, metric: 0 }) });
 }}
 
 /// A request one HTTP context hands to the root (mode "detach").
@@ -51,12 +53,67 @@ enum Mode {
     Local,
     Buffer,
     Detach,
+    Calls(Call, u32),
+}
+
+/// The host calls "calls:<kind>:<n>" measures: those the plugin makes on its paths.
+#[derive(Clone, Copy, PartialEq)]
+enum Call {
+    /// `proxy_get_shared_data` of a value the size of the plugin's bucket.
+    SharedGet,
+    /// `proxy_set_shared_data` of that value.
+    SharedSet,
+    /// `proxy_get_header_map_value`: one request header.
+    Header,
+    /// `proxy_get_header_map_pairs`: all request headers.
+    Headers,
+    /// `proxy_get_property`: the route's cluster.
+    Property,
+    /// `proxy_increment_metric`.
+    Metric,
+    /// `proxy_get_current_time_nanoseconds`.
+    Time,
+}
+
+/// The plugin's bucket: 2 bytes of magic and 64 ways of 49 bytes (src/entry.rs).
+const BUCKET: [u8; 3138] = [7; 3138];
+const SHARED_KEY: &str = "bench_control_calls";
+
+impl Call {
+    fn parse(name: &str) -> Option<Call> {
+        Some(match name {
+            "shared_get" => Call::SharedGet,
+            "shared_set" => Call::SharedSet,
+            "header" => Call::Header,
+            "headers" => Call::Headers,
+            "property" => Call::Property,
+            "metric" => Call::Metric,
+            "time" => Call::Time,
+            _ => return None,
+        })
+    }
+
+    fn make(self, metric: u32) {
+        use proxy_wasm::hostcalls as host;
+        match self {
+            Call::SharedGet => drop(std::hint::black_box(host::get_shared_data(SHARED_KEY))),
+            Call::SharedSet => drop(host::set_shared_data(SHARED_KEY, Some(&BUCKET), None)),
+            Call::Header => {
+                drop(std::hint::black_box(host::get_map_value_bytes(MapType::HttpRequestHeaders, ":method")))
+            }
+            Call::Headers => drop(std::hint::black_box(host::get_map_bytes(MapType::HttpRequestHeaders))),
+            Call::Property => drop(std::hint::black_box(host::get_property(vec!["xds", "cluster_name"]))),
+            Call::Metric => drop(host::increment_metric(metric, 1)),
+            Call::Time => drop(std::hint::black_box(host::get_current_time())),
+        }
+    }
 }
 
 struct Root {
     id: u32,
     mode: Mode,
     queue: u32,
+    metric: u32,
 }
 
 impl Context for Root {
@@ -82,13 +139,26 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_configure(&mut self, _: usize) -> bool {
-        self.mode = match self.get_plugin_configuration().unwrap_or_default().as_slice() {
-            b"headers" => Mode::Headers,
-            b"local" => Mode::Local,
-            b"buffer" => Mode::Buffer,
-            b"detach" => Mode::Detach,
-            _ => Mode::Noop,
+        let config = String::from_utf8(self.get_plugin_configuration().unwrap_or_default()).unwrap_or_default();
+        self.mode = match config.as_str() {
+            "headers" => Mode::Headers,
+            "local" => Mode::Local,
+            "buffer" => Mode::Buffer,
+            "detach" => Mode::Detach,
+            other => match other.split(':').collect::<Vec<_>>().as_slice() {
+                ["calls", kind, n] => match (Call::parse(kind), n.parse()) {
+                    (Some(call), Ok(n)) => Mode::Calls(call, n),
+                    _ => return false,
+                },
+                _ => Mode::Noop,
+            },
         };
+        if let Mode::Calls(call, _) = self.mode {
+            if call == Call::SharedGet {
+                let _ = proxy_wasm::hostcalls::set_shared_data(SHARED_KEY, Some(&BUCKET), None);
+            }
+            self.metric = proxy_wasm::hostcalls::define_metric(MetricType::Counter, "bench_control_calls").unwrap_or(0);
+        }
         if self.mode == Mode::Detach {
             // A queue name per VM (the last VM to register a name gets its notifications).
             let mut h = RandomState::new().build_hasher();
@@ -113,7 +183,7 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Stream { mode: self.mode, id: context_id, headers: Vec::new() }))
+        Some(Box::new(Stream { mode: self.mode, id: context_id, metric: self.metric, headers: Vec::new() }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -124,6 +194,7 @@ impl RootContext for Root {
 struct Stream {
     mode: Mode,
     id: u32,
+    metric: u32,
     headers: Vec<(String, Vec<u8>)>,
 }
 
@@ -158,8 +229,15 @@ impl Context for Stream {}
 
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        if self.mode == Mode::Noop {
-            return Action::Continue;
+        match self.mode {
+            Mode::Noop => return Action::Continue,
+            Mode::Calls(call, n) => {
+                for _ in 0..n {
+                    call.make(self.metric);
+                }
+                return Action::Continue;
+            }
+            _ => {}
         }
         self.headers = std::hint::black_box(self.get_http_request_headers_bytes());
         if self.mode == Mode::Headers {
@@ -173,7 +251,7 @@ impl HttpContext for Stream {
     }
 
     fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
-        if matches!(self.mode, Mode::Noop | Mode::Headers) {
+        if matches!(self.mode, Mode::Noop | Mode::Headers | Mode::Calls(..)) {
             return Action::Continue;
         }
         if !end_of_stream {
