@@ -51,9 +51,7 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -192,16 +190,8 @@ def serve_upstream():
 class ChaosUpstream(Upstream):
     """harness.Upstream running `chaos.py --serve-upstream` instead of upstream.py."""
 
-    def __init__(self, start_timeout=10.0):  # noqa: super().__init__ would start upstream.py
-        self._stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve-upstream"],
-            stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL)
-        try:
-            self.port = self._read_ready_port(start_timeout)
-        except Exception:
-            self.stop()
-            raise
+    def __init__(self, start_timeout=10.0):
+        super().__init__(start_timeout, command=[os.path.abspath(__file__), "--serve-upstream"])
 
     def settled(self, timeout=30.0):
         """Waits until no effect is still running at the upstream; returns the snapshot."""

@@ -158,15 +158,21 @@ def parse_raw_response(data):
 
 
 def raw_exchange(port, data, timeout=10):
-    """Send raw request bytes; read one response (framed by Content-Length) -> Response.
+    """Send raw request bytes; read one response (framed by Content-Length) -> Response."""
+    return parse_raw_response(raw_exchange_bytes(port, data, timeout))
+
+
+def raw_exchange_bytes(port, data, timeout=10):
+    """Send raw request bytes; read one response, framed by its Content-Length, or until the
+    peer closes or `timeout` passes -> the bytes read.
 
     Unlike harness.send_raw this does not wait for the peer to close (Envoy delays the close
     of a connection it answered early by up to 1 s)."""
     import socket
     buf = b""
+    deadline = time.monotonic() + timeout
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(data)
-        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             head, sep, body = buf.partition(b"\r\n\r\n")
             if sep:
@@ -174,6 +180,7 @@ def raw_exchange(port, data, timeout=10):
                            if line.lower().startswith(b"content-length:")]
                 if lengths and len(body) >= int(lengths[0]):
                     break
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
             try:
                 chunk = sock.recv(65536)
             except (ConnectionResetError, TimeoutError):
@@ -181,4 +188,4 @@ def raw_exchange(port, data, timeout=10):
             if not chunk:
                 break
             buf += chunk
-    return parse_raw_response(buf)
+    return buf

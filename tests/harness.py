@@ -260,13 +260,15 @@ def send_raw(port, data, timeout=5):
 
 
 class Upstream:
-    """tests/upstream.py in a subprocess on a port of its own choosing."""
+    """tests/upstream.py (or `command`, which prints the same READY line) in a subprocess on
+    a port of its own choosing."""
 
-    def __init__(self, start_timeout=10.0):
+    def __init__(self, start_timeout=10.0, command=None):
         self._stderr = tempfile.TemporaryFile()
+        command = command or [os.path.join(TESTS_DIR, "upstream.py"), "--port", "0",
+                              "--host", LOCALHOST]
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(TESTS_DIR, "upstream.py"), "--port", "0",
-             "--host", LOCALHOST],
+            [sys.executable] + command,
             stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL)
         try:
             self.port = self._read_ready_port(start_timeout)

@@ -25,6 +25,7 @@ import pytest
 
 from chaos import (ChaosUpstream, active_vms, etcd_key, log_tags, plugin_counters,
                    vm_failure_lines, vm_failure_stats)
+from e2e_util import raw_exchange_bytes
 from harness import raw_request_bytes, request, static_cluster
 
 HOST = "hostile.example"
@@ -58,29 +59,7 @@ def raw_post(envoy, header_lines, body=BODY):
     head += header_lines
     head.append(b"Content-Length: %d" % len(body))
     data = b"\r\n".join(head) + b"\r\n\r\n" + body
-    return parse_response(exchange(envoy.port, data))
-
-
-def exchange(port, data, timeout=5.0):
-    """Sends raw bytes; reads one answer, framed by its Content-Length, or until the peer
-    closes (harness.send_raw waits for the close, which Envoy delays by up to 1 s)."""
-    buf = b""
-    deadline = time.monotonic() + timeout
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(data)
-        while time.monotonic() < deadline:
-            status, headers, body = parse_response(buf)
-            if status is not None and len(body) >= int(headers.get("content-length", 1 << 30)):
-                break
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                chunk = sock.recv(65536)
-            except (ConnectionResetError, TimeoutError):
-                break
-            if not chunk:
-                break
-            buf += chunk
-    return buf
+    return parse_response(raw_exchange_bytes(envoy.port, data, timeout=5.0))
 
 
 def parse_response(data):
