@@ -59,11 +59,20 @@ def wait_until(predicate, timeout=5.0, interval=0.02, message="condition"):
         time.sleep(interval)
 
 
+_HANDED_OUT = set()
+
+
 def free_port():
-    """A TCP port that was free on 127.0.0.1 a moment ago (the caller binds it later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOCALHOST, 0))
-        return sock.getsockname()[1]
+    """A TCP port that was free on 127.0.0.1 a moment ago (the caller binds it later), and
+    that this process was not given before: the kernel may offer a just-closed port again, and
+    two listeners of one Envoy config on the same port make Envoy refuse the config."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOCALHOST, 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def port_accepts(port, timeout=0.2):

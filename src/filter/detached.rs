@@ -18,15 +18,13 @@ pub(super) fn dispatch_outbox(vm: &Vm) {
         let headers: Vec<(&str, &str)> = request.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         let policy = vm.policy(job.policy);
         let timeout = Duration::from_millis(policy.upstream_timeout_ms);
-        // The job may have waited (a busy worker's event loop): if the lease is no longer
-        // fresh, renew the mark now, so that it counts from the moment the call leaves. A fresh
-        // table lease (the usual case: the queue hop takes microseconds) is left to the
-        // periodic renewal, due after the same lease_ms / 4: one store write fewer per call.
-        // An etcd lease was set when its claim left, before the store's round trip: renewed.
+        // The job may have waited (a busy worker's event loop, etcd's round trip): if the lease
+        // is no longer fresh, renew the mark now, so that it counts from the moment the call
+        // leaves. A fresh one (the usual case) is left to the periodic renewal, due after the
+        // same lease_ms / 4: one store write fewer per call (with etcd, one round trip).
         let now = vm.now_ms();
         let mut renewed_ms = job.leased_ms;
-        let etcd = matches!(job.owner, Some(Owner::Etcd(_)));
-        if etcd || now.saturating_sub(job.leased_ms) >= policy.lease_ms / 4 {
+        if now.saturating_sub(job.leased_ms) >= policy.lease_ms / 4 {
             renewed_ms = now;
             match job.owner {
                 Some(Owner::Table(ticket)) => {
@@ -127,22 +125,23 @@ pub(super) fn on_call_answer(vm: &Vm, token: u32, num_headers: usize, body_size:
 }
 
 /// A held request becomes the first call: the root sends it (detached) or resumes it into the
-/// router, handing it the ownership through the VM's handoff map.
+/// router, handing it the ownership through the VM's handoff map. `leased_ms`: when the
+/// owner's lease was set.
 pub(super) fn promote(
     vm: &Vm,
     context_id: u32,
     policy: usize,
     outbound: Option<super::Outbound>,
     owner: Owner,
-    now: u64,
+    leased_ms: u64,
 ) {
     match outbound {
         Some(request) => {
-            vm.outbox.borrow_mut().push_back(Job { context_id, policy, owner: Some(owner), leased_ms: now, request });
+            vm.outbox.borrow_mut().push_back(Job { context_id, policy, owner: Some(owner), leased_ms, request });
             dispatch_outbox(vm);
         }
         None => {
-            vm.owners.borrow_mut().insert(context_id, Owned { policy, owner, renewed_ms: now });
+            vm.owners.borrow_mut().insert(context_id, Owned { policy, owner, renewed_ms: leased_ms });
             vm.handoff.borrow_mut().insert(context_id, owner);
             if !(vm.live.borrow().contains(&context_id)
                 && host::set_effective_context(context_id)

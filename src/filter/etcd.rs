@@ -482,7 +482,9 @@ fn on_claim(vm: &Vm, mut req: ClaimReq, value: Vec<u8>, way: Way, result: Result
             })
             .unwrap_or(0);
             log::debug!("etcd: claimed {} (takeover: {})", hex_tail(&req.key), req.takeover.is_some());
-            promote(vm, req.context_id, req.policy, req.outbound, Owner::Etcd(id), now);
+            // The lease counts from when the claim left, not from its answer.
+            let leased_ms = way.deadline_ms.saturating_sub(policy.lease_ms);
+            promote(vm, req.context_id, req.policy, req.outbound, Owner::Etcd(id), leased_ms);
         }
         Ok(TxnResult { current: None, .. }) => {
             // The key vanished between compare and read (released, or its lease ended).
