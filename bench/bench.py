@@ -203,10 +203,10 @@ class EnvoyProc:
                 out[short] = out.get(short, 0) + s["value"]
         return out
 
-    def upstream_requests(self):
-        """Requests this Envoy sent to the cluster "upstream" (all listeners)."""
+    def cluster_requests(self, cluster="upstream"):
+        """Requests this Envoy sent to `cluster` (all listeners); 0 if it has no such cluster."""
         q = "/stats?format=json&filter=" + urllib.parse.quote(
-            r"^cluster\.upstream\.upstream_rq_total$")
+            rf"^cluster\.{re.escape(cluster)}\.upstream_rq_total$")
         data = json.loads(request(self.admin_port, "GET", q, timeout=10).text)
         return sum(s.get("value", 0) for s in data.get("stats", []))
 
@@ -657,7 +657,7 @@ def main():
                     raise RuntimeError(f"the slow call's key answers {status}, not 409")
             before = front.counters()
             if case["expect"] == "local":
-                before["upstream_rq"] = front.upstream_requests()
+                before["upstream_rq"] = front.cluster_requests()
             cpu0 = (front.cpu_s(), up.cpu_s())
             try:
                 r = run_wrk(port, case, args, duration, prefix=f"{case['id']}-{tag}-{nonce}",
@@ -669,7 +669,7 @@ def main():
                 time.sleep(0.2)  # let the last in-flight detached calls complete
                 after = front.counters()
                 if case["expect"] == "local":
-                    after["upstream_rq"] = front.upstream_requests()
+                    after["upstream_rq"] = front.cluster_requests()
                 if case["id"] == "B4":
                     # The mark outlived several lease_ms thanks to renewal: still 409 now.
                     still = post(port, key).status

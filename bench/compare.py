@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """Two builds of the plugin side by side in one Envoy: before and after a change.
 
-    .venv/bin/python bench/compare.py OLD.wasm NEW.wasm [--mode detached|router] [--rounds 8]
+    .venv/bin/python bench/compare.py OLD.wasm NEW.wasm [--mode detached|router]
+        [--store shared_data|etcd] [--rounds 8]
 
 One Envoy 1.40.0 (--concurrency 2) gets one listener per build, each with its own vm_id and
 namespace, in front of the same upstream (an Envoy answering by itself). wrk drives each path
 on each listener in turn, alternating which build goes first, for --rounds rounds; the figures
 are medians of Envoy's CPU time per request (from /proc) and of req/s. Paths: the first call (a
 new key per POST), the replay (one completed key) and a request the plugin does not cover (a
-GET). Measured in one run, the two builds share the machine's noise.
+GET). With --store etcd both listeners use one local etcd (tests/etcd_util.py), each under its
+own namespace, and the table also gives etcd requests per client request. Measured in one run,
+the two builds share the machine's noise.
 """
 
 import argparse
 import os
 import sys
+import time
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
@@ -33,6 +37,7 @@ def main():
     ap.add_argument("old")
     ap.add_argument("new")
     ap.add_argument("--mode", default="detached", choices=["detached", "router"])
+    ap.add_argument("--store", default="shared_data", choices=["shared_data", "etcd"])
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--duration", type=int, default=3, help="seconds per wrk run")
     ap.add_argument("--connections", type=int, default=32)
@@ -40,46 +45,72 @@ def main():
     args = ap.parse_args()
     builds = [("old", os.path.abspath(args.old)), ("new", os.path.abspath(args.new))]
     up = upstream_envoy("0-1")
-    front = None
+    front = etcd = None
     try:
+        clusters = [static_cluster("upstream", up.port)]
+        if args.store == "etcd":
+            sys.path.insert(0, os.path.join(os.path.dirname(BENCH_DIR), "tests"))
+            from etcd_util import Etcd
+            etcd = Etcd()
+            clusters.append(static_cluster("etcd", etcd.port))
         ports = {name: free_port() for name, _ in builds}
         listeners = []
         for name, wasm in builds:
-            config = {"namespace": f"compare_{name}", "capacity": 262144, "lease_ms": 2000,
-                      "forward": args.mode}
+            config = {"namespace": f"compare_{name}", "forward": args.mode}
+            if etcd:
+                config.update(store={"kind": "etcd", "cluster": "etcd"}, lease_ms=3000)
+            else:
+                config.update(capacity=262144, lease_ms=2000)
             listeners.append(listener(name, ports[name], [to_cluster("upstream")],
                                       [wasm_filter(config, vm_id=f"compare_{name}", wasm=wasm)]))
-        front = EnvoyProc("compare", bootstrap(listeners, [static_cluster("upstream", up.port)]),
-                          concurrency=2, cpus="0-1")
+        front = EnvoyProc("compare", bootstrap(listeners, clusters), concurrency=2, cpus="0-1")
         key = "compare-replay"
         for name, _ in builds:
-            first, again = post(ports[name], key), post(ports[name], key)
+            first = post(ports[name], key)
+            for _ in range(20):  # etcd: the completion lands just after the answer
+                again = post(ports[name], key)
+                if again.header("idempotent-replayed") == "true":
+                    break
+                time.sleep(0.05)
             assert again.header("idempotent-replayed") == "true", (name, first, again)
         runs = {(p, name): [] for p, _ in PATHS for name, _ in builds}
         for rnd in range(args.rounds + 1):  # round 0 warms up
             order = builds if rnd % 2 else builds[::-1]
             for path, case in PATHS:
                 for name, _ in order:
-                    c0 = front.cpu_s()
+                    c0, e0 = front.cpu_s(), etcd_requests(front)
                     r = run_wrk(ports[name], case, args, args.duration if rnd else 1,
                                 prefix=f"{rnd}-{name}-{case['id']}", key=key, cpus="1")
                     if r["status_errors"] or r["requests"] == 0:
                         sys.exit(f"{path} on {name}: {r['status_errors']} errors")
                     if rnd:
                         cpu = (front.cpu_s() - c0) / r["requests"] * 1e6
-                        runs[(path, name)].append((cpu, r["rps"]))
-        print(f"forward: {args.mode}; medians of {args.rounds} rounds of {args.duration} s")
-        print("| path | Envoy CPU µs/req, old | new | req/s, old | new |")
-        print("|---|---:|---:|---:|---:|")
+                        per = (etcd_requests(front) - e0) / r["requests"]
+                        runs[(path, name)].append((cpu, r["rps"], per))
+        print(f"forward: {args.mode}, store: {args.store}; medians of {args.rounds} rounds of "
+              f"{args.duration} s")
+        extra = " etcd requests per request, old | new |" if etcd else ""
+        print(f"| path | Envoy CPU µs/req, old | new | req/s, old | new |{extra}")
+        print("|---|---:|---:|---:|---:|" + ("---:|---:|" if etcd else ""))
         for path, _ in PATHS:
             o, n = runs[(path, "old")], runs[(path, "new")]
-            print(f"| {path} | {median([c for c, _ in o]):.0f} | {median([c for c, _ in n]):.0f} "
-                  f"| {median([q for _, q in o]):,.0f} | {median([q for _, q in n]):,.0f} |")
+            row = (f"| {path} | {median([x[0] for x in o]):.0f} | {median([x[0] for x in n]):.0f} "
+                   f"| {median([x[1] for x in o]):,.0f} | {median([x[1] for x in n]):,.0f} |")
+            if etcd:
+                row += f" {median([x[2] for x in o]):.2f} | {median([x[2] for x in n]):.2f} |"
+            print(row)
     finally:
         if front:
             front.stop()
         up.stop()
+        if etcd:
+            etcd.stop()
         log("stopped")
+
+
+def etcd_requests(front):
+    """Requests Envoy has sent to the etcd cluster so far (0 without one)."""
+    return front.cluster_requests("etcd")
 
 
 if __name__ == "__main__":
