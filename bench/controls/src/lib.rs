@@ -22,7 +22,7 @@ use proxy_wasm::traits::*;
 use proxy_wasm::types::*;
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
@@ -44,6 +44,10 @@ thread_local! {
     static QUEUE: RefCell<u32> = const { RefCell::new(0) };
     /// Calls in flight: token -> the HTTP context to answer.
     static CALLS: RefCell<HashMap<u32, u32>> = RefCell::new(HashMap::new());
+    /// HTTP contexts waiting for their call's answer, until their stream ends. Answering a
+    /// stream the client reset (wrk does at the end of a run) re-enters a context the SDK has
+    /// dropped and panics the VM (SPEC §4); the plugin keeps the same set.
+    static LIVE: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -121,7 +125,9 @@ impl Context for Root {
         let headers = self.get_http_call_response_headers_bytes();
         let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
         let Some(context_id) = CALLS.with(|c| c.borrow_mut().remove(&token)) else { return };
-        if proxy_wasm::hostcalls::set_effective_context(context_id).is_ok() {
+        if LIVE.with(|l| l.borrow().contains(&context_id))
+            && proxy_wasm::hostcalls::set_effective_context(context_id).is_ok()
+        {
             let status = headers
                 .iter()
                 .find(|(n, _)| n == ":status")
@@ -212,6 +218,7 @@ impl Stream {
                     .into_iter()
                     .filter_map(|(n, v)| Some((n, String::from_utf8(v).ok()?)))
                     .collect();
+                LIVE.with(|l| l.borrow_mut().insert(self.id));
                 OUTBOX.with(|o| o.borrow_mut().push_back(Job { context_id: self.id, headers, body }));
                 let queue = QUEUE.with(|q| *q.borrow());
                 let _ = proxy_wasm::hostcalls::enqueue_shared_queue(queue, Some(b"job"));
@@ -225,7 +232,12 @@ impl Stream {
     }
 }
 
-impl Context for Stream {}
+impl Context for Stream {
+    fn on_done(&mut self) -> bool {
+        LIVE.with(|l| l.borrow_mut().remove(&self.id));
+        true
+    }
+}
 
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
