@@ -68,15 +68,14 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
-from harness import (LOCALHOST, Upstream, envoy_binary, free_port, port_accepts,  # noqa: E402
-                     request, static_cluster, to_yaml, unique_base_id, wasm_filter,
-                     wasm_path)
+from harness import (LOCALHOST, Upstream, admin_stats, envoy_binary, free_port,  # noqa: E402
+                     port_accepts, request, rss_bytes, static_cluster, to_yaml, unique_base_id,
+                     wasm_filter, wasm_path)
 
 CONTROL_WASM = os.path.join(BENCH_DIR, "controls", "target", "wasm32-wasip1", "release",
                             "bench_controls.wasm")
@@ -194,21 +193,16 @@ class EnvoyProc:
 
     def counters(self):
         """The plugin's counters and gauges, summed over its VMs: {short name: value}."""
-        q = "/stats?format=json&filter=" + urllib.parse.quote(r"^wasmcustom\.")
-        data = json.loads(request(self.admin_port, "GET", q, timeout=10).text)
         out = {}
-        for s in data.get("stats", []):
-            if isinstance(s.get("value"), int):
-                short = s["name"].rsplit(".", 1)[-1]
-                out[short] = out.get(short, 0) + s["value"]
+        for name, value in admin_stats(self.admin_port, r"^wasmcustom\.", timeout=10).items():
+            short = name.rsplit(".", 1)[-1]
+            out[short] = out.get(short, 0) + value
         return out
 
     def cluster_requests(self, cluster="upstream"):
         """Requests this Envoy sent to `cluster` (all listeners); 0 if it has no such cluster."""
-        q = "/stats?format=json&filter=" + urllib.parse.quote(
-            rf"^cluster\.{re.escape(cluster)}\.upstream_rq_total$")
-        data = json.loads(request(self.admin_port, "GET", q, timeout=10).text)
-        return sum(s.get("value", 0) for s in data.get("stats", []))
+        regex = rf"^cluster\.{re.escape(cluster)}\.upstream_rq_total$"
+        return sum(admin_stats(self.admin_port, regex, timeout=10).values())
 
     def cpu_s(self):
         """CPU time (user + system) the process has used, in seconds."""
@@ -217,11 +211,7 @@ class EnvoyProc:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss(self):
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
+        return rss_bytes(self.pid)
 
     def log_tail(self, n=30):
         text = ""

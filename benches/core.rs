@@ -17,12 +17,14 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use idempotency::engine::{Begin, Layout, Table, Ticket};
-use idempotency::entry::StoredResponse;
 use idempotency::fingerprint::{Fingerprint, FingerprintBuilder};
 use idempotency::key::StoreKey;
 use idempotency::store::memory::MemoryKv;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
+
+mod fixtures;
+use fixtures::response_1kib;
 
 /// The plugin's default capacity: 1,024 buckets of 64 ways.
 const CAPACITY: usize = 65_536;
@@ -48,20 +50,6 @@ fn fingerprint(body: &[u8]) -> Fingerprint {
     b.header("content-type", [&b"application/json"[..]].into_iter());
     b.body(body);
     b.finish()
-}
-
-/// What the plugin stores for the upstream's answer: hop-by-hop headers already dropped.
-fn response_1kib() -> StoredResponse {
-    StoredResponse {
-        status: 201,
-        headers: vec![
-            ("content-type".into(), b"application/json".to_vec()),
-            ("date".into(), b"Sun, 29 Nov 2026 10:36:38 GMT".to_vec()),
-            ("server".into(), b"envoy".to_vec()),
-            ("x-envoy-upstream-service-time".into(), b"1".to_vec()),
-        ],
-        body: (0..1024u32).map(|i| b"0123456789abcdef"[(i % 16) as usize]).collect(),
-    }
 }
 
 fn claim(t: &Table<MemoryKv>, k: &StoreKey, fp: &Fingerprint) -> Ticket {

@@ -75,6 +75,26 @@ def free_port():
             return port
 
 
+def admin_stats(admin_port, filter_regex=None, timeout=5):
+    """An Envoy's counters and gauges from its admin port, {name: int}; histograms are left
+    out."""
+    query = "/stats?format=json"
+    if filter_regex:
+        query += "&filter=" + urllib.parse.quote(filter_regex)
+    data = json.loads(request(admin_port, "GET", query, timeout=timeout).text)
+    return {s["name"]: s["value"] for s in data.get("stats", [])
+            if "name" in s and isinstance(s.get("value"), int)}
+
+
+def rss_bytes(pid):
+    """Resident memory of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise HarnessError("no VmRSS")
+
+
 def port_accepts(port, timeout=0.2):
     try:
         with socket.create_connection((LOCALHOST, port), timeout=timeout):
@@ -623,12 +643,7 @@ class Envoy:
 
     def stats(self, filter_regex=None):
         """Counters and gauges, {name: int}; histograms are left out."""
-        query = "/stats?format=json"
-        if filter_regex:
-            query += "&filter=" + urllib.parse.quote(filter_regex)
-        data = json.loads(self.admin(query))
-        return {s["name"]: s["value"] for s in data.get("stats", [])
-                if "name" in s and isinstance(s.get("value"), int)}
+        return admin_stats(self.admin_port, filter_regex)
 
     def stat(self, name, default=0):
         return self.stats("^" + re.escape(name) + "$").get(name, default)
@@ -638,11 +653,7 @@ class Envoy:
         return self.stats(re.escape(substring))
 
     def rss_bytes(self):
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise HarnessError("no VmRSS")
+        return rss_bytes(self.pid)
 
     def log_text(self):
         if self._final_log is not None:
