@@ -47,7 +47,7 @@ fn op_claim(t: &Table<MemoryKv>, k: &StoreKey, f: &Fingerprint) -> Begin {
 }
 
 #[inline(never)]
-fn op_complete(t: &Table<MemoryKv>, ticket: &Ticket, r: &StoredResponse) {
+fn op_complete(t: &Table<MemoryKv>, ticket: &Ticket, r: &mut StoredResponse) {
     black_box(t.complete(ticket, Some(r), NOW + 5, 86_400_000).unwrap());
 }
 
@@ -84,7 +84,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mode = args.get(1).map(String::as_str).unwrap_or("claim");
     let n: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20_000);
-    let t = Table::new(MemoryKv::new(), Layout::new("ns", 65_536));
+    let t = Table::new(MemoryKv::new(), Layout::new("ns", 65_536, 4 << 30));
     t.create().unwrap();
     let f = fp();
     let r = response_1kib();
@@ -103,15 +103,17 @@ fn main() {
                     other => panic!("{other:?}"),
                 })
                 .collect();
-            for ticket in &tickets {
-                op_complete(&t, ticket, &r);
+            // Each completion stores an answer of its own, as the plugin does.
+            let mut answers: Vec<StoredResponse> = tickets.iter().map(|_| r.clone()).collect();
+            for (ticket, answer) in tickets.iter().zip(&mut answers) {
+                op_complete(&t, ticket, answer);
             }
         }
         "replay" | "conflict" => {
             for k in keys.iter().take(1000) {
                 if let Begin::Claimed { ticket, .. } = t.begin(k, &f, NOW, 10_000).unwrap() {
                     if mode == "replay" {
-                        t.complete(&ticket, Some(&r), NOW, 86_400_000).unwrap();
+                        t.complete(&ticket, Some(&mut r.clone()), NOW, 86_400_000).unwrap();
                     }
                 }
             }

@@ -25,6 +25,17 @@ pub enum Forward {
     Router,
 }
 
+/// What a covered request gets when its configured scope is absent (SPEC §3.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MissingScope {
+    /// Forwarded unprotected, as if the plugin were not there: nothing claimed or replayed.
+    Pass,
+    /// 401 problem+json; no work is done.
+    Reject,
+    /// Such callers share one anonymous scope (for public APIs that want it).
+    Share,
+}
+
 /// Upstream statuses that release the key instead of completing it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StatusSet {
@@ -85,6 +96,7 @@ pub struct Policy {
     /// Scope by the mTLS peer's identity (URI SAN, else `source.principal`).
     pub scope_peer: bool,
     pub scope_jwt_claim: Option<JwtClaim>,
+    pub missing_scope: MissingScope,
     pub fingerprint_headers: Vec<String>,
     pub fingerprint_body: bool,
     pub lease_ms: u64,
@@ -94,6 +106,7 @@ pub struct Policy {
     pub wait_max_ms: u64,
     pub release_statuses: StatusSet,
     pub max_request_body_bytes: usize,
+    /// The largest stored size (body, headers, 38 bytes) of a response that is stored.
     pub max_response_bytes: usize,
     pub forward: Forward,
     pub upstream_timeout_ms: u64,
@@ -120,7 +133,12 @@ pub struct Rule {
 pub struct Config {
     pub namespace: String,
     pub capacity: usize,
+    /// Bytes of stored responses the shared-data table holds at most.
+    pub max_store_bytes: u64,
     pub max_waiters: usize,
+    /// Bytes each worker buffers for requests in flight: router-mode captures of answers and
+    /// the bodies of held duplicates.
+    pub max_buffered_bytes: usize,
     pub store: StoreConfig,
     /// The policy of requests no rule matches.
     pub policy: Policy,
@@ -138,6 +156,7 @@ impl Default for Policy {
             scope_headers: vec!["authorization".into()],
             scope_peer: false,
             scope_jwt_claim: None,
+            missing_scope: MissingScope::Pass,
             fingerprint_headers: vec!["content-type".into()],
             fingerprint_body: true,
             lease_ms: 10_000,
@@ -147,7 +166,8 @@ impl Default for Policy {
             wait_max_ms: 5_000,
             release_statuses: StatusSet { ranges: vec![(500, 599), (408, 408), (425, 425), (429, 429)] },
             max_request_body_bytes: 1 << 20,
-            max_response_bytes: 1 << 20,
+            // What `Config::finish` fits to the default store: one bucket's share.
+            max_response_bytes: 128 << 10,
             forward: Forward::Detached,
             upstream_timeout_ms: 30_000,
         }
@@ -159,7 +179,9 @@ impl Default for Config {
         Config {
             namespace: "idem".into(),
             capacity: 65_536,
+            max_store_bytes: 128 << 20,
             max_waiters: 1_024,
+            max_buffered_bytes: 16 << 20,
             store: StoreConfig::SharedData,
             policy: Policy::default(),
             rules: Vec::new(),
@@ -196,6 +218,14 @@ const MIN_ETCD_LEASE_MS: u64 = 3_000;
 const MAX_RETENTION_S: u64 = 30 * 24 * 3600;
 const MAX_BODY: u64 = 64 << 20;
 const MAX_CAPACITY: u64 = 1 << 22;
+const MAX_STORE_BYTES: u64 = 64 << 30;
+/// An etcd request is at most 1.5 MiB by default (`--max-request-bytes`); a stored response of
+/// 1 MiB is 1.33 MiB in base64.
+const MAX_ETCD_RESPONSE_BYTES: u64 = 1 << 20;
+/// `max_response_bytes` not given: fitted to the store by `finish`.
+const UNSET: usize = usize::MAX;
+/// The largest default `max_response_bytes`, before it is fitted to the store (see `finish`).
+const DEFAULT_MAX_RESPONSE_BYTES: usize = 1 << 20;
 
 impl Config {
     /// Parses and validates the plugin configuration. Empty input means all defaults.
@@ -208,13 +238,16 @@ impl Config {
             return Err(err("", "expected a JSON object"));
         };
         let mut c = Config::default();
+        c.policy.max_response_bytes = UNSET;
         let mut rules = None;
         for (name, v) in &map {
             let f = name.as_str();
             match f {
                 "namespace" => c.namespace = namespace(f, v)?,
                 "capacity" => c.capacity = int(f, v, 1, MAX_CAPACITY)? as usize,
+                "max_store_bytes" => c.max_store_bytes = int(f, v, 0, MAX_STORE_BYTES)?,
                 "max_waiters" => c.max_waiters = int(f, v, 0, 1 << 20)? as usize,
+                "max_buffered_bytes" => c.max_buffered_bytes = int(f, v, 0, 1 << 30)? as usize,
                 "store" => c.store = store(f, v)?,
                 "routes" => rules = Some(v),
                 _ => {
@@ -230,20 +263,57 @@ impl Config {
                 c.rules.push(rule(&format!("routes[{i}]"), item, &c.policy)?);
             }
         }
-        // A renewal through etcd takes a round trip that reached hundreds of milliseconds under
-        // load (measured): shorter leases let live calls lose their mark.
-        if matches!(c.store, StoreConfig::Etcd(_)) {
-            let short = std::iter::once(("lease_ms".to_string(), &c.policy))
-                .chain(c.rules.iter().enumerate().map(|(i, r)| (format!("routes[{i}].lease_ms"), &r.policy)))
-                .find(|(_, p)| p.lease_ms < MIN_ETCD_LEASE_MS);
-            if let Some((field, p)) = short {
+        c.finish()?;
+        Ok(c)
+    }
+
+    /// Checks the values that only make sense together (SPEC §3.8), and fits the default
+    /// `max_response_bytes` to the store.
+    fn finish(&mut self) -> Result<(), ConfigError> {
+        let (limit, limit_why) = match &self.store {
+            StoreConfig::SharedData => {
+                let buckets = crate::engine::Layout::buckets_for(self.capacity);
+                let share = self.max_store_bytes / u64::from(buckets);
+                (share, format!("the share of one of the table's {buckets} buckets (max_store_bytes / ceil(capacity / 64) = {share}): raise max_store_bytes, or lower capacity"))
+            }
+            StoreConfig::Etcd(_) => {
+                (MAX_ETCD_RESPONSE_BYTES, format!("{MAX_ETCD_RESPONSE_BYTES}, what one etcd request carries"))
+            }
+        };
+        let default = (limit as usize).min(DEFAULT_MAX_RESPONSE_BYTES);
+        let etcd_timeout = match &self.store {
+            StoreConfig::Etcd(e) => Some(e.timeout_ms),
+            StoreConfig::SharedData => None,
+        };
+        let policies = std::iter::once((String::new(), &mut self.policy))
+            .chain(self.rules.iter_mut().enumerate().map(|(i, r)| (format!("routes[{i}]."), &mut r.policy)));
+        for (at, p) in policies {
+            if p.max_response_bytes == UNSET {
+                p.max_response_bytes = default;
+            } else if p.max_response_bytes as u64 > limit {
                 return Err(err(
-                    &field,
+                    &format!("{at}max_response_bytes"),
+                    format!("{} is above {limit_why}", p.max_response_bytes),
+                ));
+            }
+            let Some(timeout_ms) = etcd_timeout else { continue };
+            // A renewal through etcd takes a round trip that reached hundreds of milliseconds
+            // under load (measured): shorter leases let live calls lose their mark.
+            if p.lease_ms < MIN_ETCD_LEASE_MS {
+                return Err(err(
+                    &format!("{at}lease_ms"),
                     format!("with the etcd store, at least {MIN_ETCD_LEASE_MS}, got {}", p.lease_ms),
                 ));
             }
+            // Renewals run every lease/4; one that times out must leave time for the next.
+            if timeout_ms * 3 > p.lease_ms {
+                return Err(err(
+                    "store.timeout_ms",
+                    format!("{timeout_ms} is not well below {at}lease_ms ({}): at most a third of it", p.lease_ms),
+                ));
+            }
         }
-        Ok(c)
+        Ok(())
     }
 
     /// The policy for a request: the first rule that matches, else the base policy.
@@ -337,6 +407,14 @@ impl Policy {
             "scope_headers" => self.scope_headers = header_names(f, v)?,
             "scope_peer" => self.scope_peer = boolean(f, v)?,
             "scope_jwt_claim" => self.scope_jwt_claim = jwt_claim(f, v)?,
+            "missing_scope" => {
+                self.missing_scope = match string(f, v)? {
+                    "pass" => MissingScope::Pass,
+                    "reject" => MissingScope::Reject,
+                    "share" => MissingScope::Share,
+                    other => return Err(err(f, format!("expected \"pass\", \"reject\" or \"share\", got {other:?}"))),
+                }
+            }
             "fingerprint_headers" => self.fingerprint_headers = header_names(f, v)?,
             "fingerprint_body" => self.fingerprint_body = boolean(f, v)?,
             // Renewal runs every lease/4 from the worker's event loop, which an overloaded
@@ -362,7 +440,8 @@ impl Policy {
                     other => return Err(err(f, format!("expected \"detached\" or \"router\", got {other:?}"))),
                 }
             }
-            "upstream_timeout_ms" => self.upstream_timeout_ms = int(f, v, 0, MAX_MS)?,
+            // 0 would mean no timeout: a stalled upstream would hold its key for ever.
+            "upstream_timeout_ms" => self.upstream_timeout_ms = int(f, v, 1, MAX_MS)?,
             _ => return Ok(false),
         }
         Ok(true)
@@ -691,6 +770,56 @@ mod tests {
                 on_unavailable: OnUnavailable::Pass
             })
         );
+    }
+
+    #[test]
+    fn values_that_could_lock_a_key_or_break_a_bound_are_refused() {
+        let cases = [
+            // No upstream timeout: a stalled upstream would hold its key for ever.
+            (r#"{"upstream_timeout_ms":0}"#, "upstream_timeout_ms"),
+            // An etcd call as long as the lease: a renewal that times out loses the mark.
+            (r#"{"lease_ms":3000,"store":{"kind":"etcd","cluster":"e","timeout_ms":1500}}"#, "store.timeout_ms"),
+            (
+                r#"{"store":{"kind":"etcd","cluster":"e","timeout_ms":2000},"routes":[{"match":{"prefix":"/"},"lease_ms":5000}]}"#,
+                "store.timeout_ms",
+            ),
+            // A response that could never fit its bucket's share of the byte budget.
+            (r#"{"max_response_bytes":200000}"#, "max_response_bytes"),
+            (r#"{"capacity":64,"max_store_bytes":1000,"max_response_bytes":1001}"#, "max_response_bytes"),
+            (r#"{"routes":[{"match":{"prefix":"/"},"max_response_bytes":1048576}]}"#, "routes[0].max_response_bytes"),
+            (r#"{"store":{"kind":"etcd","cluster":"e"},"max_response_bytes":2000000}"#, "max_response_bytes"),
+            (r#"{"missing_scope":"allow"}"#, "missing_scope"),
+        ];
+        for (json, field) in cases {
+            let e = parse(json).unwrap_err();
+            assert_eq!(e.field, field, "{json}: {e}");
+        }
+        let e = parse(r#"{"max_response_bytes":200000}"#).unwrap_err();
+        assert!(e.reason.contains("max_store_bytes") && e.reason.contains("capacity"), "{e}");
+    }
+
+    #[test]
+    fn max_response_bytes_defaults_to_what_one_bucket_holds() {
+        assert_eq!(parse("{}").unwrap(), Config::default());
+        assert_eq!(Config::default().policy.max_response_bytes, 128 << 10);
+        // 64 buckets of 2 MiB: the default is capped at 1 MiB.
+        let c = parse(r#"{"capacity":4096,"max_store_bytes":134217728}"#).unwrap();
+        assert_eq!(c.policy.max_response_bytes, 1 << 20);
+        let c = parse(r#"{"capacity":1024,"max_store_bytes":2097152,"routes":[{"match":{"prefix":"/"}}]}"#).unwrap();
+        assert_eq!((c.policy.max_response_bytes, c.policy(1).max_response_bytes), (131072, 131072));
+        let etcd = parse(r#"{"store":{"kind":"etcd","cluster":"e"}}"#).unwrap();
+        assert_eq!(etcd.policy.max_response_bytes, 1 << 20);
+    }
+
+    #[test]
+    fn missing_scope_choices() {
+        assert_eq!(Config::default().policy.missing_scope, MissingScope::Pass);
+        for (json, want) in
+            [("pass", MissingScope::Pass), ("reject", MissingScope::Reject), ("share", MissingScope::Share)]
+        {
+            let c = parse(&format!(r#"{{"missing_scope":"{json}"}}"#)).unwrap();
+            assert_eq!(c.policy.missing_scope, want);
+        }
     }
 
     #[test]

@@ -4,22 +4,31 @@
 //! # Layout
 //! The table has `buckets` buckets of [`WAYS`] entries. A store key hashes to one bucket; the
 //! bucket is one shared-data key holding the headers of its entries (state, owner token,
-//! fingerprint, deadline). Every decision about a key is taken from that one value and
-//! committed with one CAS on it, the only atomic step shared data offers (SPEC §4). Responses
-//! live beside it, one data key per way, written by the owner before it flips the way to
-//! *completed*. All keys are created once, up front, so a CAS never meets the "set on a
+//! fingerprint, deadline, age, size). Every decision about a key is taken from that one value
+//! and committed with one CAS on it, the only atomic step shared data offers (SPEC §4).
+//! Responses live beside it, one data key per way, written by the owner before it flips the
+//! way to *completed*. All keys are created once, up front, so a CAS never meets the "set on a
 //! missing key ignores cas" flaw, and memory is bounded by the table size, however many
 //! distinct keys pass through.
 //!
+//! # Room (SPEC §3.4)
+//! A bucket is also the part of the table where room is made: a new key that finds no free or
+//! expired way evicts the bucket's oldest completed entry, and a completion that would take the
+//! bucket's stored responses past its share of `max_store_bytes` evicts the oldest completed
+//! entries first. Both happen inside the CAS that decides. In-progress marks are never evicted:
+//! a claim is refused (`Full`) only by a bucket of live marks.
+//!
 //! # Owners
-//! Each claim bumps the way's `gen`; the claimer's [`Ticket`] carries it. Only the holder of
-//! the current `gen` completes, releases or renews. A response written to a data key is
-//! stamped with its `gen`; a writer never replaces a newer stamp, so an owner whose mark was
-//! taken over cannot clobber the new owner's response (SPEC §3.8).
+//! Each claim takes a new token from its bucket (`gen`), larger than every earlier one; the
+//! claimer's [`Ticket`] carries it. Only the holder of the current `gen` completes, releases
+//! or renews. A response written to a data key is stamped with its `gen`; a writer never
+//! replaces a newer stamp, so an owner whose mark was taken over cannot clobber the new
+//! owner's response (SPEC §3.8).
 
-use crate::entry::{self, Bucket, Corrupt, KeyTag, State, StoredResponse, Way, WAYS};
+use crate::entry::{Bucket, Corrupt, KeyTag, State, StoredResponse, Way, WAYS};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
+use crate::retention::EvictionWindow;
 use crate::store::{KvError, SharedKv};
 
 /// CAS attempts before an operation gives up (contention on one bucket from other workers).
@@ -52,15 +61,51 @@ impl From<Corrupt> for StoreError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ticket {
     pub slot: u32,
+    /// The claim's token: also its fencing token (SPEC §3.9).
     pub gen: u64,
     pub key: KeyTag,
+}
+
+/// What an operation changed in the table, for the gauges and counters (SPEC §3.7).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Change {
+    pub in_progress: i64,
+    pub completed: i64,
+    /// Bytes of stored responses.
+    pub bytes: i64,
+    /// Live completed entries pushed out to make room.
+    pub evicted: u32,
+    /// How old the youngest of them was.
+    pub youngest_evicted_ms: Option<u64>,
+    /// In-progress marks freed after their deadline: their owner is gone.
+    pub expired_marks: u32,
+}
+
+impl Change {
+    /// An entry leaves the table (`evicted`: it was live, pushed out to make room).
+    fn remove(&mut self, way: &Way, now_ms: u64, evicted: bool) {
+        match way.state {
+            State::Free => return,
+            State::InProgress => {
+                self.in_progress -= 1;
+                self.expired_marks += 1;
+            }
+            State::Completed | State::CompletedNoBody => self.completed -= 1,
+        }
+        self.bytes -= i64::from(way.bytes);
+        if evicted {
+            self.evicted += 1;
+            let age = now_ms.saturating_sub(way.since_ms);
+            self.youngest_evicted_ms = Some(self.youngest_evicted_ms.map_or(age, |y| y.min(age)));
+        }
+    }
 }
 
 /// What a covered request meets (SPEC §3.2–3.4).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Begin {
     /// The key is ours: go upstream. `takeover` when it held this key's expired mark.
-    Claimed { ticket: Ticket, takeover: bool, evicted: State },
+    Claimed { ticket: Ticket, takeover: bool, change: Change },
     /// Another call with the same fingerprint is in progress: 409 (or wait).
     InProgress,
     /// Completed: replay this.
@@ -69,11 +114,11 @@ pub enum Begin {
     CompletedWithoutBody,
     /// The key was used with a different fingerprint: 422.
     Mismatch,
-    /// No free way in the key's bucket: 503.
+    /// The key's bucket holds nothing but live in-progress marks: 503.
     Full,
 }
 
-/// What the owner's write achieved.
+/// What the owner's renewal or release achieved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
     Done,
@@ -81,12 +126,31 @@ pub enum Finish {
     Lost,
 }
 
+/// What the owner's completion achieved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completed {
+    /// The response is stored and replays.
+    Stored(Change),
+    /// The key is completed without its response (none given, or larger than the bucket's
+    /// share of the byte budget): retries get the non-retryable 409.
+    WithoutBody(Change),
+    /// The mark was taken over (it had expired): nothing was changed.
+    Lost,
+}
+
 /// The pure decision for one request against its bucket (SPEC §3.3–3.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    Claim { way: usize, takeover: bool },
+    /// Take `way`: free, expired, or the bucket's oldest completed entry (evicted).
+    Claim {
+        way: usize,
+        takeover: bool,
+    },
     InProgress,
-    Completed { way: usize, no_body: bool },
+    Completed {
+        way: usize,
+        no_body: bool,
+    },
     Mismatch,
     Full,
 }
@@ -94,7 +158,8 @@ pub enum Decision {
 pub fn decide(bucket: &Bucket, key: &KeyTag, fingerprint: &Fingerprint, now_ms: u64) -> Result<Decision, Corrupt> {
     let mut expired_same_key = None;
     let mut free = None;
-    let mut reusable = None;
+    let mut expired = None;
+    let mut oldest: Option<(usize, u64)> = None;
     for i in 0..WAYS {
         let way = bucket.way(i)?;
         if way.state == State::Free {
@@ -106,19 +171,21 @@ pub fn decide(bucket: &Bucket, key: &KeyTag, fingerprint: &Fingerprint, now_ms: 
                 // Reuse the key's own way: a takeover when it was an in-progress mark.
                 expired_same_key = Some((i, way.state == State::InProgress));
             }
-            reusable = reusable.or(Some(i));
+            expired = expired.or(Some(i));
             continue;
         }
-        if way.key != *key {
-            continue;
+        if way.key == *key {
+            // A live entry for this key: at most one exists, because claims are decided here.
+            return Ok(judge_live(&way, i, fingerprint));
         }
-        // A live entry for this key: at most one exists, because claims are decided here.
-        return Ok(judge_live(&way, i, fingerprint));
+        if way.state.is_completed() && oldest.is_none_or(|(_, since)| way.since_ms < since) {
+            oldest = Some((i, way.since_ms));
+        }
     }
-    Ok(match (expired_same_key, free, reusable) {
-        (Some((way, takeover)), _, _) => Decision::Claim { way, takeover },
-        (None, Some(way), _) | (None, None, Some(way)) => Decision::Claim { way, takeover: false },
-        (None, None, None) => Decision::Full,
+    let room = expired_same_key.or(free.map(|i| (i, false))).or(expired.map(|i| (i, false)));
+    Ok(match room.or(oldest.map(|(i, _)| (i, false))) {
+        Some((way, takeover)) => Decision::Claim { way, takeover },
+        None => Decision::Full,
     })
 }
 
@@ -145,20 +212,29 @@ pub fn decide_entry(entry: Option<&Way>, fingerprint: &Fingerprint, now_ms: u64)
     }
 }
 
-/// Where the table's keys are and how a store key maps onto them.
+/// Where the table's keys are, how a store key maps onto them, and each bucket's byte budget.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
     buckets: u32,
-    /// `<namespace>:<buckets>:`, the prefix of every key name (built once: names are made on
-    /// every store access).
+    /// Bytes of stored responses one bucket may hold: `max_store_bytes / buckets`.
+    bucket_bytes: u64,
+    /// `<namespace>:t2:<buckets>:`, the prefix of every key name (built once: names are made on
+    /// every store access). `t2` is the format: a plugin of another format never reads it.
     prefix: String,
 }
 
 impl Layout {
-    /// A table that holds at least `capacity` entries: `ceil(capacity / WAYS)` buckets.
-    pub fn new(namespace: &str, capacity: usize) -> Layout {
-        let buckets = capacity.div_ceil(WAYS).clamp(1, u32::MAX as usize) as u32;
-        Layout { buckets, prefix: format!("{namespace}:{buckets}:") }
+    /// A table that holds at least `capacity` entries, `ceil(capacity / WAYS)` buckets, and
+    /// at most `max_store_bytes` of stored responses.
+    pub fn new(namespace: &str, capacity: usize, max_store_bytes: u64) -> Layout {
+        let buckets = Layout::buckets_for(capacity);
+        let bucket_bytes = max_store_bytes / u64::from(buckets);
+        Layout { buckets, bucket_bytes, prefix: format!("{namespace}:t2:{buckets}:") }
+    }
+
+    /// The number of buckets of a table of `capacity` entries.
+    pub fn buckets_for(capacity: usize) -> u32 {
+        capacity.div_ceil(WAYS).clamp(1, u32::MAX as usize) as u32
     }
 
     fn name(&self, kind: char, n: u32) -> String {
@@ -177,6 +253,10 @@ impl Layout {
         self.buckets as usize * WAYS
     }
 
+    pub fn bucket_bytes(&self) -> u64 {
+        self.bucket_bytes
+    }
+
     // The bucket count is part of every name, so a table of another size never reads this one.
     fn bucket_key(&self, bucket: u32) -> String {
         self.name('b', bucket)
@@ -188,6 +268,10 @@ impl Layout {
 
     fn ready_key(&self) -> String {
         format!("{}ready", self.prefix)
+    }
+
+    fn evictions_key(&self) -> String {
+        format!("{}evictions", self.prefix)
     }
 
     fn locate(&self, key: &StoreKey) -> (u32, KeyTag) {
@@ -223,30 +307,46 @@ fn split_slot(slot: u32) -> (u32, usize) {
     (slot / WAYS as u32, slot as usize % WAYS)
 }
 
-/// Changes of the entries held, for the gauges: +1/-1 per state.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Held {
-    pub in_progress: i64,
-    pub completed: i64,
+fn slot_of(bucket: u32, way: usize) -> u32 {
+    bucket * WAYS as u32 + way as u32
 }
 
-impl Held {
-    pub fn of(state: State, sign: i64) -> Held {
-        match state {
-            State::Free => Held::default(),
-            State::InProgress => Held { in_progress: sign, completed: 0 },
-            State::Completed | State::CompletedNoBody => Held { in_progress: 0, completed: sign },
+/// Frees completed entries of `bucket` (other than `own`) until `needed` more bytes fit in
+/// `budget`: expired ones first, then the oldest. Returns the freed ways (slot, gen).
+fn make_room(
+    bucket: &mut Bucket,
+    bucket_id: u32,
+    own: usize,
+    needed: u64,
+    budget: u64,
+    now_ms: u64,
+    change: &mut Change,
+) -> Result<Vec<(u32, u64)>, Corrupt> {
+    let mut held: Vec<(usize, Way)> = Vec::new();
+    let mut total = 0u64;
+    for i in (0..WAYS).filter(|i| *i != own) {
+        let way = bucket.way(i)?;
+        if way.bytes > 0 && way.state.is_completed() {
+            total += u64::from(way.bytes);
+            held.push((i, way));
         }
     }
-    pub fn plus(self, other: Held) -> Held {
-        Held { in_progress: self.in_progress + other.in_progress, completed: self.completed + other.completed }
+    let mut freed = Vec::new();
+    if total + needed <= budget {
+        return Ok(freed);
     }
-}
-
-/// What a sweep of one bucket freed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Swept {
-    pub freed: Held,
+    // Expired entries first, then by age.
+    held.sort_by_key(|(_, w)| (w.is_live(now_ms), w.since_ms));
+    for (i, way) in held {
+        if total + needed <= budget {
+            break;
+        }
+        total -= u64::from(way.bytes);
+        change.remove(&way, now_ms, way.is_live(now_ms));
+        bucket.set_way(i, &Way { gen: way.gen, ..Way::FREE });
+        freed.push((slot_of(bucket_id, i), way.gen));
+    }
+    Ok(freed)
 }
 
 /// The idempotency table over a [`SharedKv`].
@@ -286,6 +386,10 @@ impl<S: SharedKv> Table<S> {
             if self.store.get(&key)?.1.is_none() {
                 self.store.set(&key, b"", None)?;
             }
+        }
+        let evictions = self.layout.evictions_key();
+        if self.store.get(&evictions)?.1.is_none() {
+            self.store.set(&evictions, &EvictionWindow::default().encode(), None)?;
         }
         self.store.set(&self.layout.ready_key(), b"1", None)?;
         Ok(true)
@@ -327,16 +431,28 @@ impl<S: SharedKv> Table<S> {
                     let old = bucket.way(way)?;
                     let claimed = Way {
                         state: State::InProgress,
-                        gen: old.gen.wrapping_add(1),
+                        gen: bucket.next_token(now_ms),
                         key: tag,
                         fingerprint: *fingerprint,
                         deadline_ms: now_ms.saturating_add(lease_ms),
+                        since_ms: now_ms,
+                        bytes: 0,
                     };
                     bucket.set_way(way, &claimed);
                     if self.write_bucket(bucket_id, &bucket, cas)? {
-                        let slot = bucket_id * WAYS as u32 + way as u32;
+                        let slot = slot_of(bucket_id, way);
+                        let mut change = Change { in_progress: 1, ..Change::default() };
+                        change.remove(&old, now_ms, old.is_evictable(now_ms));
+                        if takeover {
+                            change.expired_marks -= 1; // counted as a takeover instead
+                        }
+                        if old.bytes > 0 {
+                            // The way is ours now: nobody else writes its data key, so the old
+                            // response can go without reading it first.
+                            self.store.set(&self.layout.data_key(slot), b"", None)?;
+                        }
                         let ticket = Ticket { slot, gen: claimed.gen, key: tag };
-                        return Ok(Begin::Claimed { ticket, takeover, evicted: old.state });
+                        return Ok(Begin::Claimed { ticket, takeover, change });
                     }
                 }
                 Decision::InProgress => return Ok(Begin::InProgress),
@@ -345,8 +461,7 @@ impl<S: SharedKv> Table<S> {
                 Decision::Completed { no_body: true, .. } => return Ok(Begin::CompletedWithoutBody),
                 Decision::Completed { way, no_body: false } => {
                     let expected = bucket.way(way)?;
-                    let slot = bucket_id * WAYS as u32 + way as u32;
-                    if let Some(response) = self.read_response(slot, &expected)? {
+                    if let Some(response) = self.read_response(slot_of(bucket_id, way), &expected)? {
                         return Ok(Begin::Replay(response));
                     }
                     // The way changed hands between the two reads: decide again.
@@ -360,30 +475,17 @@ impl<S: SharedKv> Table<S> {
     fn read_response(&self, slot: u32, way: &Way) -> Result<Option<StoredResponse>, StoreError> {
         let (value, _) = self.store.get(&self.layout.data_key(slot))?;
         let Some(bytes) = value else { return Ok(None) };
-        let (gen, key, response) = entry::decode_response(&bytes)?;
+        let (gen, key, response) = StoredResponse::decode(bytes)?;
         Ok((gen == way.gen && key == way.key).then_some(response))
     }
 
     /// Applies `change` to the ticket's way if the ticket still owns it (in progress, same gen).
     fn update_owned(&self, t: &Ticket, change: impl Fn(&mut Way)) -> Result<Finish, StoreError> {
-        self.update_owned_from(t, None, change)
-    }
-
-    /// As `update_owned`, trying first with a bucket the caller has just read.
-    fn update_owned_from(
-        &self,
-        t: &Ticket,
-        mut read: Option<(Bucket, u32)>,
-        change: impl Fn(&mut Way),
-    ) -> Result<Finish, StoreError> {
         let (bucket_id, way_i) = split_slot(t.slot);
         for _ in 0..MAX_ATTEMPTS {
-            let (mut bucket, cas) = match read.take() {
-                Some(fresh) => fresh,
-                None => self.read_bucket(bucket_id)?,
-            };
+            let (mut bucket, cas) = self.read_bucket(bucket_id)?;
             let mut way = bucket.way(way_i)?;
-            if way.state != State::InProgress || way.gen != t.gen || way.key != t.key {
+            if !owns(&way, t) {
                 return Ok(Finish::Lost);
             }
             change(&mut way);
@@ -403,41 +505,59 @@ impl<S: SharedKv> Table<S> {
 
     /// Releases the key at once, so a retry can do the work (SPEC §3.4).
     pub fn release(&self, t: &Ticket) -> Result<Finish, StoreError> {
-        let done = self.update_owned(t, |w| {
-            w.state = State::Free;
-            w.key = [0; 16];
-            w.fingerprint = Fingerprint::default();
-            w.deadline_ms = 0;
-        })?;
+        let done = self.update_owned(t, |w| *w = Way { gen: w.gen, ..Way::FREE })?;
         if done == Finish::Done {
-            // Free what an earlier entry of this way left in its data key.
+            // Free what a racing late writer may have left in this way's data key.
             self.blank_data(t.slot, t.gen)?;
         }
         Ok(done)
     }
 
-    /// Completes the key with its response, or without one when it was too large to keep.
+    /// Completes the key with its response, or without one when none is given or it is larger
+    /// than a bucket's share of the byte budget. Makes room first (SPEC §3.4).
     pub fn complete(
         &self,
         t: &Ticket,
-        response: Option<&StoredResponse>,
+        response: Option<&mut StoredResponse>,
         now_ms: u64,
         retention_ms: u64,
-    ) -> Result<Finish, StoreError> {
+    ) -> Result<Completed, StoreError> {
+        let response = response.filter(|r| r.stored_len() as u64 <= self.layout.bucket_bytes);
+        let bytes = response.as_ref().map_or(0, |r| r.stored_len() as u64);
         let mut read = None;
         if let Some(response) = response {
+            response.stamp(t.gen, &t.key);
             match self.write_response(t, response)? {
                 Some(bucket) => read = Some(bucket),
-                None => return Ok(Finish::Lost),
+                None => return Ok(Completed::Lost),
             }
         }
-        let state = if response.is_some() { State::Completed } else { State::CompletedNoBody };
-        let deadline = now_ms.saturating_add(retention_ms);
-        // The bucket read by the ownership check is usually still current: one CAS, no re-read.
-        self.update_owned_from(t, read, |w| {
-            w.state = state;
-            w.deadline_ms = deadline;
-        })
+        let (bucket_id, way_i) = split_slot(t.slot);
+        for _ in 0..MAX_ATTEMPTS {
+            // The bucket read by the ownership check is usually still current: one CAS.
+            let (mut bucket, cas) = match read.take() {
+                Some(fresh) => fresh,
+                None => self.read_bucket(bucket_id)?,
+            };
+            let mut way = bucket.way(way_i)?;
+            if !owns(&way, t) {
+                return Ok(Completed::Lost);
+            }
+            let mut change = Change { in_progress: -1, completed: 1, bytes: bytes as i64, ..Change::default() };
+            let freed = make_room(&mut bucket, bucket_id, way_i, bytes, self.layout.bucket_bytes, now_ms, &mut change)?;
+            way.state = if bytes > 0 { State::Completed } else { State::CompletedNoBody };
+            way.deadline_ms = now_ms.saturating_add(retention_ms);
+            way.since_ms = now_ms;
+            way.bytes = bytes as u32;
+            bucket.set_way(way_i, &way);
+            if self.write_bucket(bucket_id, &bucket, cas)? {
+                for (slot, gen) in freed {
+                    self.blank_data(slot, gen)?;
+                }
+                return Ok(if bytes > 0 { Completed::Stored(change) } else { Completed::WithoutBody(change) });
+            }
+        }
+        Err(StoreError::Contention)
     }
 
     /// Writes the response to the way's data key, fenced: never over a newer owner's stamp.
@@ -445,19 +565,17 @@ impl<S: SharedKv> Table<S> {
     fn write_response(&self, t: &Ticket, response: &StoredResponse) -> Result<Option<(Bucket, u32)>, StoreError> {
         let (bucket_id, way_i) = split_slot(t.slot);
         let key = self.layout.data_key(t.slot);
-        let encoded = entry::encode_response(t.gen, &t.key, response);
         for _ in 0..MAX_ATTEMPTS {
             // Check ownership first: a taken-over owner must not write at all.
             let (bucket, bucket_cas) = self.read_bucket(bucket_id)?;
-            let way = bucket.way(way_i)?;
-            if way.state != State::InProgress || way.gen != t.gen || way.key != t.key {
+            if !owns(&bucket.way(way_i)?, t) {
                 return Ok(None);
             }
             let (value, cas) = self.store.get(&key)?;
             if stamp_gen(value.as_deref()) > t.gen {
                 return Ok(None);
             }
-            match self.store.set(&key, &encoded, cas) {
+            match self.store.set(&key, response.as_bytes(), cas) {
                 Ok(()) => return Ok(Some((bucket, bucket_cas))),
                 Err(KvError::CasMismatch) => continue,
                 Err(e) => return Err(e.into()),
@@ -486,39 +604,66 @@ impl<S: SharedKv> Table<S> {
     /// Frees the expired entries of one bucket and the responses they held. Called a few
     /// buckets at a time from `on_tick`, so memory of expired entries is returned even when no
     /// new key lands in their bucket.
-    pub fn sweep(&self, bucket_id: u32, now_ms: u64) -> Result<Swept, StoreError> {
+    pub fn sweep(&self, bucket_id: u32, now_ms: u64) -> Result<Change, StoreError> {
         for _ in 0..MAX_ATTEMPTS {
             let (mut bucket, cas) = self.read_bucket(bucket_id)?;
-            let mut freed = Held::default();
+            let mut change = Change::default();
             let mut blank = Vec::new();
             for i in 0..WAYS {
                 let way = bucket.way(i)?;
                 if way.state == State::Free || way.is_live(now_ms) {
                     continue;
                 }
-                freed = freed.plus(Held::of(way.state, 1));
-                if way.state == State::Completed {
-                    blank.push((bucket_id * WAYS as u32 + i as u32, way.gen));
+                change.remove(&way, now_ms, false);
+                if way.bytes > 0 {
+                    blank.push((slot_of(bucket_id, i), way.gen));
                 }
                 bucket.set_way(i, &Way { gen: way.gen, ..Way::FREE });
             }
-            if freed == Held::default() {
-                return Ok(Swept::default());
+            if change == Change::default() {
+                return Ok(change);
             }
             if self.write_bucket(bucket_id, &bucket, cas)? {
                 for (slot, gen) in blank {
                     self.blank_data(slot, gen)?;
                 }
-                return Ok(Swept { freed });
+                return Ok(change);
+            }
+        }
+        Err(StoreError::Contention)
+    }
+
+    /// Adds evictions seen by this worker to the process-wide window, and returns the
+    /// effective retention to show (SPEC §3.7). `youngest_ms`: the youngest evicted entry's
+    /// age, if this worker evicted any since it last looked.
+    pub fn note_evictions(&self, now_ms: u64, youngest_ms: Option<u64>) -> Result<u64, StoreError> {
+        let key = self.layout.evictions_key();
+        for _ in 0..MAX_ATTEMPTS {
+            let (value, cas) = self.store.get(&key)?;
+            let Some(cas) = cas else { return Err(StoreError::Missing) };
+            let window = EvictionWindow::decode(value.as_deref().unwrap_or_default())?;
+            let next = window.with(now_ms, youngest_ms);
+            if next == window {
+                return Ok(next.effective_retention_ms());
+            }
+            match self.store.set(&key, &next.encode(), Some(cas)) {
+                Ok(()) => return Ok(next.effective_retention_ms()),
+                Err(KvError::CasMismatch) => continue,
+                Err(e) => return Err(e.into()),
             }
         }
         Err(StoreError::Contention)
     }
 }
 
+/// Whether `way` is still the ticket's in-progress mark.
+fn owns(way: &Way, t: &Ticket) -> bool {
+    way.state == State::InProgress && way.gen == t.gen && way.key == t.key
+}
+
 /// The claim stamp of a data key's value: 0 when empty or not a response of ours.
 fn stamp_gen(value: Option<&[u8]>) -> u64 {
-    value.and_then(|v| entry::response_stamp(v).ok()).map_or(0, |(gen, _)| gen)
+    value.and_then(|v| crate::entry::response_stamp(v).ok()).map_or(0, |(gen, _)| gen)
 }
 
 #[cfg(test)]

@@ -7,12 +7,13 @@
 use crate::fingerprint::Fingerprint;
 
 /// Entries per bucket. A claim decides on one bucket (one CAS on one shared-data key), so a
-/// key can only live in its own bucket; 64 ways make a full bucket rare (see README, Limits).
+/// key can only live in its own bucket, and room is made there (eviction, byte budget).
 pub const WAYS: usize = 64;
-const WAY_BYTES: usize = 1 + 8 + 16 + 16 + 8;
-const BUCKET_MAGIC: [u8; 2] = [b'B', 1];
-pub const BUCKET_BYTES: usize = BUCKET_MAGIC.len() + WAYS * WAY_BYTES;
-const RESPONSE_MAGIC: [u8; 2] = [b'R', 1];
+const WAY_BYTES: usize = 1 + 8 + 16 + 16 + 8 + 8 + 4;
+/// Format 2: ways carry their age and size, buckets the last token they handed out.
+const BUCKET_MAGIC: [u8; 2] = [b'B', 2];
+const BUCKET_HEAD: usize = BUCKET_MAGIC.len() + 8;
+pub const BUCKET_BYTES: usize = BUCKET_HEAD + WAYS * WAY_BYTES;
 
 /// The part of the store key kept in a way; the rest of the hash chose the bucket.
 pub type KeyTag = [u8; 16];
@@ -22,7 +23,7 @@ pub enum State {
     Free = 0,
     InProgress = 1,
     Completed = 2,
-    /// Completed, but the response was over `max_response_bytes` and was not stored.
+    /// Completed, but the response was not stored (over `max_response_bytes`).
     CompletedNoBody = 3,
 }
 
@@ -36,10 +37,15 @@ impl State {
             _ => return None,
         })
     }
+
+    pub fn is_completed(self) -> bool {
+        matches!(self, State::Completed | State::CompletedNoBody)
+    }
 }
 
-/// One entry's header. `gen` counts the claims of this way: it is the owner's token (only the
-/// holder of the current `gen` may complete or release) and fences late writers.
+/// One entry's header. `gen` is the claim's token: only its holder may complete, release or
+/// renew, and it fences late writers. Tokens grow with every claim of a bucket (and with the
+/// clock, across restarts), so later claims of one key always carry larger ones (SPEC §3.9).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Way {
     pub state: State,
@@ -48,22 +54,38 @@ pub struct Way {
     pub fingerprint: Fingerprint,
     /// In progress: the lease's end. Completed: the end of retention. Free: unused.
     pub deadline_ms: u64,
+    /// When the entry took its state: the claim, or the completion (its age, for eviction).
+    pub since_ms: u64,
+    /// Bytes of its stored response (completed entries only), for the byte budget.
+    pub bytes: u32,
 }
 
 impl Way {
-    pub const FREE: Way =
-        Way { state: State::Free, gen: 0, key: [0; 16], fingerprint: Fingerprint([0; 16]), deadline_ms: 0 };
+    pub const FREE: Way = Way {
+        state: State::Free,
+        gen: 0,
+        key: [0; 16],
+        fingerprint: Fingerprint([0; 16]),
+        deadline_ms: 0,
+        since_ms: 0,
+        bytes: 0,
+    };
 
     /// Whether the way holds a live entry at `now` (an expired entry binds nothing).
     pub fn is_live(&self, now_ms: u64) -> bool {
         self.state != State::Free && now_ms < self.deadline_ms
+    }
+
+    /// A live completed entry: what eviction may take.
+    pub fn is_evictable(&self, now_ms: u64) -> bool {
+        self.state.is_completed() && self.is_live(now_ms)
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Corrupt(pub &'static str);
 
-/// A bucket as stored: magic, then `WAYS` fixed-size ways.
+/// A bucket as stored: magic, the last claim token handed out, then `WAYS` fixed-size ways.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {
     bytes: Vec<u8>,
@@ -90,22 +112,40 @@ impl Bucket {
     }
 
     pub fn way(&self, i: usize) -> Result<Way, Corrupt> {
-        let start = BUCKET_MAGIC.len() + i * WAY_BYTES;
+        let start = BUCKET_HEAD + i * WAY_BYTES;
         parse_way(self.bytes.get(start..start + WAY_BYTES).ok_or(Corrupt("bucket: way out of range"))?)
     }
 
     pub fn set_way(&mut self, i: usize, way: &Way) {
-        let start = BUCKET_MAGIC.len() + i * WAY_BYTES;
+        let start = BUCKET_HEAD + i * WAY_BYTES;
         if let Some(raw) = self.bytes.get_mut(start..start + WAY_BYTES) {
             raw.copy_from_slice(&way_bytes(way));
         }
+    }
+
+    /// A new claim token: above every token this bucket handed out, and above the clock's
+    /// `now_ms << 10`, so that tokens keep growing across a restart that emptied the store.
+    pub fn next_token(&mut self, now_ms: u64) -> u64 {
+        let last = Reader(self.bytes.get(2..BUCKET_HEAD).unwrap_or_default()).u64().unwrap_or(0);
+        let token = last.saturating_add(1).max(now_ms.saturating_mul(1024));
+        if let Some(raw) = self.bytes.get_mut(2..BUCKET_HEAD) {
+            raw.copy_from_slice(&token.to_le_bytes());
+        }
+        token
     }
 }
 
 fn way_bytes(way: &Way) -> [u8; WAY_BYTES] {
     let mut w = [0u8; WAY_BYTES];
-    let parts: [&[u8]; 5] =
-        [&[way.state as u8], &way.gen.to_le_bytes(), &way.key, &way.fingerprint.0, &way.deadline_ms.to_le_bytes()];
+    let parts: [&[u8]; 7] = [
+        &[way.state as u8],
+        &way.gen.to_le_bytes(),
+        &way.key,
+        &way.fingerprint.0,
+        &way.deadline_ms.to_le_bytes(),
+        &way.since_ms.to_le_bytes(),
+        &way.bytes.to_le_bytes(),
+    ];
     let mut at = 0;
     for part in parts {
         if let Some(dst) = w.get_mut(at..at + part.len()) {
@@ -124,18 +164,20 @@ fn parse_way(raw: &[u8]) -> Result<Way, Corrupt> {
         key: r.array()?,
         fingerprint: Fingerprint(r.array()?),
         deadline_ms: r.u64()?,
+        since_ms: r.u64()?,
+        bytes: r.u32()?,
     })
 }
 
-const ENTRY_MAGIC: [u8; 2] = [b'E', 1];
+const ENTRY_MAGIC: [u8; 2] = [b'E', 2];
 
 /// One entry as a value of its own (the etcd store): its header, then the stored response when
-/// it is completed with one.
+/// it is completed with one (stamped with the entry's `gen` and key).
 pub fn encode_entry(way: &Way, response: Option<&StoredResponse>) -> Vec<u8> {
     let mut out = ENTRY_MAGIC.to_vec();
     out.extend_from_slice(&way_bytes(way)[..]);
     if let Some(r) = response {
-        out.extend_from_slice(&encode_response(way.gen, &way.key, r));
+        out.extend_from_slice(r.as_bytes());
     }
     out
 }
@@ -149,7 +191,7 @@ pub fn decode_entry(bytes: &[u8]) -> Result<(Way, Option<StoredResponse>), Corru
     let rest = bytes.get(2 + WAY_BYTES..).unwrap_or_default();
     let response = match (way.state, rest.is_empty()) {
         (State::Completed, false) => {
-            let (gen, key, r) = decode_response(rest)?;
+            let (gen, key, r) = StoredResponse::decode(rest.to_vec())?;
             if gen != way.gen || key != way.key {
                 return Err(Corrupt("entry: response stamp differs"));
             }
@@ -161,63 +203,186 @@ pub fn decode_entry(bytes: &[u8]) -> Result<(Way, Option<StoredResponse>), Corru
     Ok((way, response))
 }
 
-/// A response as replayed: status, headers in order (repeats kept), body.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+const RESPONSE_MAGIC: [u8; 2] = [b'R', 2];
+/// `status u16, header count u16, headers length u32, body length u32, gen u64, key, magic`.
+const FOOTER_BYTES: usize = 2 + 2 + 4 + 4 + 8 + 16 + 2;
+/// What a stored response costs besides its body and headers (6 bytes each besides name and
+/// value): the footer.
+pub const STORED_OVERHEAD: usize = FOOTER_BYTES;
+/// The stamp at the very end: `gen`, key, magic.
+const STAMP_BYTES: usize = 8 + 16 + 2;
+
+/// A response as stored and replayed: status, headers in order (repeats kept), body. It is
+/// held in its stored form, `body ‖ headers ‖ footer`, so that storing it, reading it back and
+/// replaying it never copy the body: an answer read from the host becomes the stored value by
+/// appending its headers, and a value read from the store is replayed from the same bytes.
+/// The footer's stamp (`gen`, key) tells a reader it belongs to the entry it looked up, and a
+/// late writer that a newer response is there.
+#[derive(Clone)]
 pub struct StoredResponse {
-    pub status: u16,
-    pub headers: Vec<(String, Vec<u8>)>,
-    pub body: Vec<u8>,
+    bytes: Vec<u8>,
+    status: u16,
+    count: u16,
+    body_len: usize,
+    headers_len: usize,
 }
 
-/// Encodes a stored response, stamped with the way's claim (`gen`, `key`) so that a reader can
-/// tell it belongs to the entry it looked up, and a late writer can tell it is newer.
-pub fn encode_response(gen: u64, key: &KeyTag, response: &StoredResponse) -> Vec<u8> {
-    let headers_len: usize = response.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
-    let mut out = Vec::with_capacity(2 + 8 + 16 + 4 + headers_len + 4 + response.body.len());
-    out.extend_from_slice(&RESPONSE_MAGIC);
-    out.extend_from_slice(&gen.to_le_bytes());
-    out.extend_from_slice(key);
-    out.extend_from_slice(&response.status.to_le_bytes());
-    // Header names are at most u16 long and values u32: Envoy's own limits are far lower.
-    out.extend_from_slice(&(response.headers.len() as u16).to_le_bytes());
-    for (name, value) in &response.headers {
-        out.extend_from_slice(&(name.len() as u16).to_le_bytes());
-        out.extend_from_slice(name.as_bytes());
-        out.extend_from_slice(&(value.len() as u32).to_le_bytes());
-        out.extend_from_slice(value);
+impl StoredResponse {
+    /// Builds the stored form around `body`, unstamped. Headers whose name or value does not
+    /// fit the encoding (names over 64 KiB, more than 65,535 headers) are left out: Envoy's own
+    /// limits are far lower.
+    pub fn new<'a>(status: u16, headers: impl IntoIterator<Item = (&'a str, &'a [u8])>, body: Vec<u8>) -> Self {
+        let body_len = body.len();
+        let mut bytes = body;
+        let mut count: u16 = 0;
+        for (name, value) in headers {
+            let (Ok(name_len), Ok(value_len)) = (u16::try_from(name.len()), u32::try_from(value.len())) else {
+                continue;
+            };
+            if count == u16::MAX {
+                break;
+            }
+            bytes.reserve(6 + name.len() + value.len() + FOOTER_BYTES);
+            bytes.extend_from_slice(&name_len.to_le_bytes());
+            bytes.extend_from_slice(name.as_bytes());
+            bytes.extend_from_slice(&value_len.to_le_bytes());
+            bytes.extend_from_slice(value);
+            count += 1;
+        }
+        let headers_len = bytes.len() - body_len;
+        bytes.reserve_exact(FOOTER_BYTES);
+        bytes.extend_from_slice(&status.to_le_bytes());
+        bytes.extend_from_slice(&count.to_le_bytes());
+        bytes.extend_from_slice(&(headers_len as u32).to_le_bytes());
+        bytes.extend_from_slice(&(body_len as u32).to_le_bytes());
+        bytes.extend_from_slice(&[0u8; 8 + 16]);
+        bytes.extend_from_slice(&RESPONSE_MAGIC);
+        StoredResponse { bytes, status, count, body_len, headers_len }
     }
-    out.extend_from_slice(&(response.body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&response.body);
-    out
+
+    /// Reads a stored value back, checking every length: `(gen, key, response)`.
+    pub fn decode(bytes: Vec<u8>) -> Result<(u64, KeyTag, StoredResponse), Corrupt> {
+        let (gen, key) = response_stamp(&bytes)?;
+        let footer = bytes.len() - FOOTER_BYTES;
+        let mut r = Reader(bytes.get(footer..).ok_or(Corrupt("response: truncated"))?);
+        let status = r.u16()?;
+        let count = r.u16()?;
+        let headers_len = r.u32()? as usize;
+        let body_len = r.u32()? as usize;
+        if body_len.checked_add(headers_len) != Some(footer) {
+            return Err(Corrupt("response: lengths do not add up"));
+        }
+        let block = bytes.get(body_len..footer).ok_or(Corrupt("response: truncated"))?;
+        let mut seen = 0u16;
+        let mut headers = Headers { rest: block, left: count };
+        while headers.left > 0 {
+            headers.parse_next()?;
+            seen += 1;
+        }
+        if seen != count || !headers.rest.is_empty() {
+            return Err(Corrupt("response: header block"));
+        }
+        Ok((gen, key, StoredResponse { bytes, status, count, body_len, headers_len }))
+    }
+
+    /// Stamps the response with the claim that stores it.
+    pub fn stamp(&mut self, gen: u64, key: &KeyTag) {
+        let at = self.bytes.len() - STAMP_BYTES;
+        if let Some(raw) = self.bytes.get_mut(at..at + 8) {
+            raw.copy_from_slice(&gen.to_le_bytes());
+        }
+        if let Some(raw) = self.bytes.get_mut(at + 8..at + 24) {
+            raw.copy_from_slice(key);
+        }
+    }
+
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    pub fn body(&self) -> &[u8] {
+        self.bytes.get(..self.body_len).unwrap_or_default()
+    }
+
+    /// Headers in order, repeats kept.
+    pub fn headers(&self) -> Headers<'_> {
+        let block = self.bytes.get(self.body_len..self.body_len + self.headers_len).unwrap_or_default();
+        Headers { rest: block, left: self.count }
+    }
+
+    /// The stored form, as written to the store.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// What the response costs the store's byte budget.
+    pub fn stored_len(&self) -> usize {
+        self.bytes.len()
+    }
 }
 
-/// The stamp of a stored response, read without decoding the rest.
+/// Equal content: status, headers and body (the stamp says where it is stored, not what).
+impl PartialEq for StoredResponse {
+    fn eq(&self, other: &Self) -> bool {
+        let content = |r: &StoredResponse| r.bytes.get(..r.bytes.len() - STAMP_BYTES).unwrap_or_default().to_vec();
+        content(self) == content(other)
+    }
+}
+
+impl Eq for StoredResponse {}
+
+impl std::fmt::Debug for StoredResponse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let body = String::from_utf8_lossy(self.body().get(..64.min(self.body_len)).unwrap_or_default()).into_owned();
+        f.debug_struct("StoredResponse")
+            .field("status", &self.status)
+            .field("headers", &self.headers().collect::<Vec<_>>())
+            .field("body_len", &self.body_len)
+            .field("body", &body)
+            .finish()
+    }
+}
+
+/// The headers of a stored response, checked when it was built or decoded.
+pub struct Headers<'a> {
+    rest: &'a [u8],
+    left: u16,
+}
+
+impl<'a> Headers<'a> {
+    fn parse_next(&mut self) -> Result<(&'a str, &'a [u8]), Corrupt> {
+        let mut r = Reader(self.rest);
+        let name_len = usize::from(r.u16()?);
+        let name = std::str::from_utf8(r.take(name_len)?).map_err(|_| Corrupt("response: header name"))?;
+        let value_len = r.u32()? as usize;
+        let value = r.take(value_len)?;
+        self.rest = r.0;
+        self.left -= 1;
+        Ok((name, value))
+    }
+}
+
+impl<'a> Iterator for Headers<'a> {
+    type Item = (&'a str, &'a [u8]);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.left == 0 {
+            return None;
+        }
+        self.parse_next().ok()
+    }
+}
+
+/// The stamp of a stored response, read from its end without decoding the rest.
 pub fn response_stamp(bytes: &[u8]) -> Result<(u64, KeyTag), Corrupt> {
-    let mut r = Reader(bytes);
+    let at = bytes.len().checked_sub(FOOTER_BYTES).ok_or(Corrupt("response: truncated"))?;
+    let mut r = Reader(bytes.get(at + FOOTER_BYTES - STAMP_BYTES..).unwrap_or_default());
+    let gen = r.u64()?;
+    let key = r.array()?;
     if r.take(2)? != RESPONSE_MAGIC {
         return Err(Corrupt("response: wrong magic"));
     }
-    Ok((r.u64()?, r.array()?))
-}
-
-pub fn decode_response(bytes: &[u8]) -> Result<(u64, KeyTag, StoredResponse), Corrupt> {
-    let (gen, key) = response_stamp(bytes)?;
-    let mut r = Reader(bytes.get(2 + 8 + 16..).ok_or(Corrupt("response: truncated"))?);
-    let status = r.u16()?;
-    let count = r.u16()?;
-    let mut headers = Vec::with_capacity(usize::from(count));
-    for _ in 0..count {
-        let name_len = usize::from(r.u16()?);
-        let name = String::from_utf8(r.take(name_len)?.to_vec()).map_err(|_| Corrupt("response: header name"))?;
-        let value_len = r.u32()? as usize;
-        headers.push((name, r.take(value_len)?.to_vec()));
-    }
-    let body_len = r.u32()? as usize;
-    let body = r.take(body_len)?.to_vec();
-    if !r.0.is_empty() {
-        return Err(Corrupt("response: trailing bytes"));
-    }
-    Ok((gen, key, StoredResponse { status, headers, body }))
+    Ok((gen, key))
 }
 
 /// A bounds-checked cursor over untrusted bytes.
@@ -255,16 +420,40 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
 
+    fn way(state: State) -> Way {
+        Way {
+            state,
+            gen: 7,
+            key: [3; 16],
+            fingerprint: Fingerprint([9; 16]),
+            deadline_ms: 1234,
+            since_ms: 1000,
+            bytes: 55,
+        }
+    }
+
     #[test]
     fn bucket_round_trip() {
         let mut b = Bucket::empty();
         assert_eq!(b.as_bytes().len(), BUCKET_BYTES);
-        let way =
-            Way { state: State::Completed, gen: 7, key: [3; 16], fingerprint: Fingerprint([9; 16]), deadline_ms: 1234 };
-        b.set_way(WAYS - 1, &way);
+        b.set_way(WAYS - 1, &way(State::Completed));
         let b2 = Bucket::decode(b.as_bytes().to_vec()).unwrap();
-        assert_eq!(b2.way(WAYS - 1).unwrap(), way);
+        assert_eq!(b2.way(WAYS - 1).unwrap(), way(State::Completed));
         assert_eq!(b2.way(0).unwrap(), Way::FREE);
+        assert!(b2.way(WAYS).is_err());
+    }
+
+    #[test]
+    fn tokens_grow_with_every_claim_and_with_the_clock() {
+        let mut b = Bucket::empty();
+        let first = b.next_token(5);
+        assert_eq!(first, 5 * 1024);
+        assert_eq!(b.next_token(5), first + 1);
+        assert_eq!(b.next_token(0), first + 2, "a clock that went back never lowers a token");
+        // A restart empties the store: the clock alone keeps the next token above.
+        assert!(Bucket::empty().next_token(6) > first + 2);
+        let again = Bucket::decode(b.as_bytes().to_vec()).unwrap().next_token(5);
+        assert_eq!(again, first + 3, "the last token is stored in the bucket");
     }
 
     #[test]
@@ -272,54 +461,82 @@ mod tests {
         assert!(Bucket::decode(vec![]).is_err());
         assert!(Bucket::decode(b"foreign value".to_vec()).is_err());
         let mut bytes = Bucket::empty().as_bytes().to_vec();
-        bytes[2] = 9; // unknown state in way 0
+        bytes[BUCKET_HEAD] = 9; // unknown state in way 0
         let bucket = Bucket::decode(bytes).unwrap();
         assert!(bucket.way(0).is_err());
         assert!(bucket.way(1).is_ok());
     }
 
+    fn sample() -> StoredResponse {
+        let headers: [(&str, &[u8]); 3] =
+            [("content-type", b"application/json"), ("set-cookie", b"a=1"), ("set-cookie", b"b=\xff")];
+        StoredResponse::new(201, headers, (0..=255u8).collect())
+    }
+
     #[test]
     fn response_round_trip_keeps_repeated_headers_and_binary_body() {
-        let resp = StoredResponse {
-            status: 201,
-            headers: vec![
-                ("content-type".into(), b"application/json".to_vec()),
-                ("set-cookie".into(), b"a=1".to_vec()),
-                ("set-cookie".into(), b"b=\xff".to_vec()),
-            ],
-            body: (0..=255u8).collect(),
-        };
-        let bytes = encode_response(42, &[5; 16], &resp);
-        assert_eq!(response_stamp(&bytes).unwrap(), (42, [5; 16]));
-        assert_eq!(decode_response(&bytes).unwrap(), (42, [5; 16], resp));
+        let mut resp = sample();
+        resp.stamp(42, &[5; 16]);
+        assert_eq!(response_stamp(resp.as_bytes()).unwrap(), (42, [5; 16]));
+        let (gen, key, back) = StoredResponse::decode(resp.as_bytes().to_vec()).unwrap();
+        assert_eq!((gen, key), (42, [5; 16]));
+        assert_eq!(back, sample(), "the stamp is not content");
+        assert_eq!(back.status(), 201);
+        assert_eq!(back.body(), &(0..=255u8).collect::<Vec<_>>()[..]);
+        let headers: Vec<_> = back.headers().collect();
+        assert_eq!(
+            headers,
+            vec![
+                ("content-type", &b"application/json"[..]),
+                ("set-cookie", &b"a=1"[..]),
+                ("set-cookie", &b"b=\xff"[..])
+            ]
+        );
+        assert_ne!(back, StoredResponse::new(200, [], b"x".to_vec()));
+    }
+
+    #[test]
+    fn the_body_is_the_start_of_the_stored_value() {
+        let resp = StoredResponse::new(200, [("a", &b"b"[..])], b"hello".to_vec());
+        assert_eq!(&resp.as_bytes()[..5], b"hello");
+        assert_eq!(resp.stored_len(), 5 + 6 + 2 + FOOTER_BYTES);
+        let empty = StoredResponse::new(204, [], Vec::new());
+        let (_, _, back) = StoredResponse::decode(empty.as_bytes().to_vec()).unwrap();
+        assert!(back.body().is_empty() && back.headers().next().is_none());
     }
 
     #[test]
     fn entry_round_trip_and_consistency() {
-        let way =
-            Way { state: State::Completed, gen: 9, key: [1; 16], fingerprint: Fingerprint([2; 16]), deadline_ms: 5 };
-        let resp = StoredResponse { status: 201, headers: vec![("a".into(), b"b".to_vec())], body: b"x".to_vec() };
-        let bytes = encode_entry(&way, Some(&resp));
-        assert_eq!(decode_entry(&bytes).unwrap(), (way, Some(resp.clone())));
-        let mark = Way { state: State::InProgress, ..way };
+        let done = way(State::Completed);
+        let mut resp = StoredResponse::new(201, [("a", &b"b"[..])], b"x".to_vec());
+        resp.stamp(done.gen, &done.key);
+        let bytes = encode_entry(&done, Some(&resp));
+        assert_eq!(decode_entry(&bytes).unwrap(), (done, Some(resp.clone())));
+        let mark = Way { state: State::InProgress, ..done };
         assert_eq!(decode_entry(&encode_entry(&mark, None)).unwrap(), (mark, None));
         // A completed entry must carry its response; a mark must not.
-        assert!(decode_entry(&encode_entry(&way, None)).is_err());
+        assert!(decode_entry(&encode_entry(&done, None)).is_err());
         assert!(decode_entry(&encode_entry(&mark, Some(&resp))).is_err());
+        // A response stamped for another entry is foreign.
+        let mut other = resp.clone();
+        other.stamp(done.gen + 1, &done.key);
+        assert!(decode_entry(&encode_entry(&done, Some(&other))).is_err());
         for n in 0..bytes.len() {
             assert!(decode_entry(&bytes[..n]).is_err(), "prefix {n}");
         }
     }
 
     #[test]
-    fn every_truncation_of_a_response_is_an_error() {
-        let resp = StoredResponse { status: 200, headers: vec![("a".into(), b"b".to_vec())], body: b"xyz".to_vec() };
-        let bytes = encode_response(1, &[1; 16], &resp);
+    fn every_truncation_or_extension_of_a_response_is_an_error() {
+        let mut resp = sample();
+        resp.stamp(1, &[1; 16]);
+        let bytes = resp.as_bytes().to_vec();
         for n in 0..bytes.len() {
-            assert!(decode_response(&bytes[..n]).is_err(), "prefix {n}");
+            assert!(StoredResponse::decode(bytes[..n].to_vec()).is_err(), "prefix {n}");
+            assert!(StoredResponse::decode(bytes[n + 1..].to_vec()).is_err(), "suffix {n}");
         }
-        let mut longer = bytes.clone();
-        longer.push(0);
-        assert!(decode_response(&longer).is_err());
+        let mut longer = vec![0];
+        longer.extend_from_slice(&bytes);
+        assert!(StoredResponse::decode(longer).is_err());
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::config::Config;
 use crate::engine::{decide, Layout, Table};
-use crate::entry::{decode_response, encode_response, response_stamp, Bucket};
+use crate::entry::{response_stamp, Bucket, StoredResponse};
 use crate::fingerprint::Fingerprint;
 use crate::key::{parse_key, StoreKey};
 use crate::store::memory::MemoryKv;
@@ -32,33 +32,37 @@ pub fn entry(data: &[u8]) {
     if let Ok(bucket) = Bucket::decode(data.to_vec()) {
         let _ = decide(&bucket, &[0; 16], &Fingerprint::default(), 1);
     }
-    if let Ok((gen, key, response)) = decode_response(data) {
+    if let Ok((gen, key, response)) = StoredResponse::decode(data.to_vec()) {
         assert_eq!(response_stamp(data).ok(), Some((gen, key)));
-        assert_eq!(encode_response(gen, &key, &response), data);
+        assert_eq!(response.as_bytes(), data);
+        let mut again = StoredResponse::new(response.status(), response.headers(), response.body().to_vec());
+        again.stamp(gen, &key);
+        assert_eq!(again.as_bytes(), data, "the encoding is canonical");
     }
     // A foreign value in a bucket key and in every data key of a one-bucket table.
-    let table = Table::new(MemoryKv::new(), Layout::new("f", 1));
+    let table = Table::new(MemoryKv::new(), Layout::new("f", 1, 1 << 20));
     if table.create().is_err() {
         return;
     }
     let kv = table.store();
-    let _ = kv.set("f:1:b0", data, None);
+    let _ = kv.set("f:t2:1:b0", data, None);
     let k = StoreKey::derive("f", b"h", &[], b"k");
     let _ = table.begin(&k, &Fingerprint::default(), 1, 10);
     let _ = table.sweep(0, u64::MAX);
 
     // A completed entry whose response was replaced by a foreign value.
-    let table = Table::new(MemoryKv::new(), Layout::new("g", 1));
+    let table = Table::new(MemoryKv::new(), Layout::new("g", 1, 1 << 20));
     if table.create().is_err() {
         return;
     }
     if let Ok(crate::engine::Begin::Claimed { ticket, .. }) = table.begin(&k, &Fingerprint::default(), 1, 10) {
-        let response = crate::entry::StoredResponse { status: 200, headers: vec![], body: b"ok".to_vec() };
-        let _ = table.complete(&ticket, Some(&response), 1, 100);
-        let _ = table.store().set(&format!("g:1:d{}", ticket.slot), data, None);
+        let mut response = StoredResponse::new(200, [], b"ok".to_vec());
+        let _ = table.complete(&ticket, Some(&mut response), 1, 100);
+        let _ = table.store().set(&format!("g:t2:1:d{}", ticket.slot), data, None);
         let _ = table.begin(&k, &Fingerprint::default(), 2, 10);
         let _ = table.release(&ticket);
     }
+    let _ = crate::retention::EvictionWindow::decode(data);
 }
 
 /// An answer from etcd's gateway, and an etcd value (an entry of ours or a foreign one).

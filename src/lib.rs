@@ -4,6 +4,7 @@
 //! `store`) is plain Rust with no `proxy-wasm` import and is tested natively; `filter` is the
 //! thin host adapter, built for `wasm32-wasip1` only.
 
+pub mod budget;
 pub mod config;
 pub mod engine;
 pub mod entry;
@@ -12,6 +13,7 @@ pub mod fuzzing;
 pub mod key;
 pub mod metrics;
 pub mod problem;
+pub mod retention;
 pub mod store;
 
 #[cfg(all(target_arch = "wasm32", not(test)))]

@@ -21,10 +21,13 @@ pub enum Counter {
     StoreFull,
     OwnerLost,
     UpstreamFailed,
+    Evicted,
+    ScopeMissing,
+    StoreNoSpace,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 17] = [
+    pub const ALL: [Counter; 20] = [
         Counter::Claimed,
         Counter::Replayed,
         Counter::Conflict,
@@ -42,6 +45,9 @@ impl Counter {
         Counter::StoreFull,
         Counter::OwnerLost,
         Counter::UpstreamFailed,
+        Counter::Evicted,
+        Counter::ScopeMissing,
+        Counter::StoreNoSpace,
     ];
 
     pub fn name(self) -> &'static str {
@@ -63,22 +69,33 @@ impl Counter {
             Counter::StoreFull => "idempotency.store_full",
             Counter::OwnerLost => "idempotency.owner_lost",
             Counter::UpstreamFailed => "idempotency.upstream_failed",
+            Counter::Evicted => "idempotency.evicted",
+            Counter::ScopeMissing => "idempotency.scope_missing",
+            Counter::StoreNoSpace => "idempotency.store_no_space",
         }
     }
 }
 
-/// Gauges of the entries the store holds, shared by every worker of the process.
+/// Gauges of what the store holds, shared by every worker of the process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Gauge {
     InProgress,
     Completed,
+    /// Bytes of stored responses (the byte budget's use).
+    StoredBytes,
+    /// How old the youngest entry evicted in the last minute was, in ms; 0 when none was.
+    EffectiveRetention,
 }
 
 impl Gauge {
+    pub const ALL: [Gauge; 4] = [Gauge::InProgress, Gauge::Completed, Gauge::StoredBytes, Gauge::EffectiveRetention];
+
     pub fn name(self) -> &'static str {
         match self {
             Gauge::InProgress => "idempotency.entries_in_progress",
             Gauge::Completed => "idempotency.entries_completed",
+            Gauge::StoredBytes => "idempotency.stored_bytes",
+            Gauge::EffectiveRetention => "idempotency.effective_retention_ms",
         }
     }
 }

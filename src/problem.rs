@@ -42,6 +42,18 @@ impl Problem {
         )
     }
 
+    /// The configured scope is absent and `missing_scope` is `"reject"` (SPEC §3.1).
+    pub fn scope_missing() -> Problem {
+        Problem::new(
+            401,
+            "scope-missing",
+            "The caller's identity is required for this Idempotency-Key",
+            "Keys are scoped to the caller, and this request carries no identity to scope it by; no work was done."
+                .into(),
+            None,
+        )
+    }
+
     pub fn in_progress(retry_after_s: u64) -> Problem {
         Problem::new(
             409,
@@ -87,7 +99,7 @@ impl Problem {
             503,
             "store-full",
             "The idempotency store is full",
-            "No entry is free for this key right now; no work was done.".into(),
+            "Every entry of this key's part of the store is a request in progress; no work was done.".into(),
             Some(retry_after_s),
         )
     }
@@ -203,6 +215,7 @@ mod tests {
             Problem::invalid_key("control \u{1} and é".into()),
             Problem::upstream_failed(504, "late", 3),
             Problem::body_unavailable(),
+            Problem::scope_missing(),
         ] {
             let mut v = serde_json::json!({
                 "type": format!("{TYPE_PREFIX}{}", p.slug),

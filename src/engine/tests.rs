@@ -11,8 +11,15 @@ use std::sync::{Arc, Barrier};
 const LEASE: u64 = 10_000;
 const RETENTION: u64 = 60_000;
 
+/// Byte budget large enough never to evict in the tests that are not about it.
+const PLENTY: u64 = 1 << 40;
+
 fn table(capacity: usize) -> Table<MemoryKv> {
-    let t = Table::new(MemoryKv::new(), Layout::new("t", capacity));
+    table_with_budget(capacity, PLENTY)
+}
+
+fn table_with_budget(capacity: usize, max_store_bytes: u64) -> Table<MemoryKv> {
+    let t = Table::new(MemoryKv::new(), Layout::new("t", capacity, max_store_bytes));
     assert!(t.create().unwrap());
     t
 }
@@ -26,15 +33,20 @@ fn fp(n: u8) -> Fingerprint {
 }
 
 fn response(body: &str) -> StoredResponse {
-    StoredResponse {
-        status: 201,
-        headers: vec![
-            ("content-type".into(), b"application/json".to_vec()),
-            ("set-cookie".into(), b"a".to_vec()),
-            ("set-cookie".into(), b"b".to_vec()),
-        ],
-        body: body.as_bytes().to_vec(),
+    let headers: [(&str, &[u8]); 3] =
+        [("content-type", b"application/json"), ("set-cookie", b"a"), ("set-cookie", b"b")];
+    StoredResponse::new(201, headers, body.as_bytes().to_vec())
+}
+
+fn done(c: Completed) -> Change {
+    match c {
+        Completed::Stored(change) => change,
+        other => panic!("expected a stored completion, got {other:?}"),
     }
+}
+
+fn complete(t: &Table<MemoryKv>, ticket: &Ticket, body: &str, now: u64, retention: u64) -> Completed {
+    t.complete(ticket, Some(&mut response(body)), now, retention).unwrap()
 }
 
 fn claim(t: &Table<MemoryKv>, k: u64, now: u64) -> Ticket {
@@ -44,12 +56,21 @@ fn claim(t: &Table<MemoryKv>, k: u64, now: u64) -> Ticket {
     }
 }
 
+fn replay_body(t: &Table<MemoryKv>, k: u64, now: u64) -> Option<Vec<u8>> {
+    match t.begin(&key(k), &fp(1), now, LEASE).unwrap() {
+        Begin::Replay(r) => Some(r.body().to_vec()),
+        _ => None,
+    }
+}
+
 #[test]
 fn first_claims_duplicate_conflicts_completion_replays() {
     let t = table(1024);
     let ticket = claim(&t, 1, 0);
     assert_eq!(t.begin(&key(1), &fp(1), 5, LEASE).unwrap(), Begin::InProgress);
-    assert_eq!(t.complete(&ticket, Some(&response("one")), 10, RETENTION).unwrap(), Finish::Done);
+    let change = done(complete(&t, &ticket, "one", 10, RETENTION));
+    assert_eq!((change.in_progress, change.completed), (-1, 1));
+    assert_eq!(change.bytes, response("one").stored_len() as i64);
     assert_eq!(t.begin(&key(1), &fp(1), 20, LEASE).unwrap(), Begin::Replay(response("one")));
     // Another key is independent.
     claim(&t, 2, 20);
@@ -60,7 +81,7 @@ fn different_fingerprint_is_a_mismatch_in_progress_and_completed() {
     let t = table(1024);
     let ticket = claim(&t, 1, 0);
     assert_eq!(t.begin(&key(1), &fp(2), 1, LEASE).unwrap(), Begin::Mismatch);
-    t.complete(&ticket, Some(&response("x")), 2, RETENTION).unwrap();
+    complete(&t, &ticket, "x", 2, RETENTION);
     assert_eq!(t.begin(&key(1), &fp(2), 3, LEASE).unwrap(), Begin::Mismatch);
 }
 
@@ -73,15 +94,39 @@ fn release_lets_a_retry_claim_at_once() {
     assert!(again.gen > ticket.gen);
     // The old ticket can no longer act.
     assert_eq!(t.release(&ticket).unwrap(), Finish::Lost);
-    assert_eq!(t.complete(&ticket, Some(&response("late")), 2, RETENTION).unwrap(), Finish::Lost);
+    assert_eq!(complete(&t, &ticket, "late", 2, RETENTION), Completed::Lost);
     assert_eq!(t.begin(&key(1), &fp(1), 3, LEASE).unwrap(), Begin::InProgress);
+}
+
+#[test]
+fn later_claims_of_a_key_carry_larger_tokens_whatever_way_they_take() {
+    let t = table(WAYS);
+    let first = claim(&t, 1, 0);
+    // Other keys take the ways around it; the key's next claim lands elsewhere.
+    let others: Vec<Ticket> = (2..10).map(|k| claim(&t, k, 0)).collect();
+    t.release(&first).unwrap();
+    t.release(&others[0]).unwrap();
+    let second = claim(&t, 1, 0);
+    assert!(second.gen > first.gen && second.gen > others[7].gen);
+    // A takeover after expiry is larger still, and so is a claim after a restart (empty store).
+    let third = match t.begin(&key(1), &fp(1), LEASE, LEASE).unwrap() {
+        Begin::Claimed { ticket, takeover: true, .. } => ticket,
+        other => panic!("{other:?}"),
+    };
+    assert!(third.gen > second.gen);
+    let restarted = table(WAYS);
+    let after_restart = match restarted.begin(&key(1), &fp(1), LEASE + 1, LEASE).unwrap() {
+        Begin::Claimed { ticket, .. } => ticket,
+        other => panic!("{other:?}"),
+    };
+    assert!(after_restart.gen > third.gen);
 }
 
 #[test]
 fn too_large_response_completes_without_body() {
     let t = table(1024);
     let ticket = claim(&t, 1, 0);
-    t.complete(&ticket, None, 1, RETENTION).unwrap();
+    assert!(matches!(t.complete(&ticket, None, 1, RETENTION).unwrap(), Completed::WithoutBody(_)));
     assert_eq!(t.begin(&key(1), &fp(1), 2, LEASE).unwrap(), Begin::CompletedWithoutBody);
 }
 
@@ -92,13 +137,16 @@ fn expired_mark_is_taken_over_whatever_the_fingerprint_and_the_late_owner_cannot
     assert_eq!(t.begin(&key(1), &fp(1), LEASE - 1, LEASE).unwrap(), Begin::InProgress);
     // Past the deadline: a request with another body takes over and becomes the first.
     let new = match t.begin(&key(1), &fp(9), LEASE, LEASE).unwrap() {
-        Begin::Claimed { ticket, takeover: true, evicted: State::InProgress } => ticket,
+        Begin::Claimed { ticket, takeover: true, change } => {
+            assert_eq!(change, Change::default(), "one mark replaced another");
+            ticket
+        }
         other => panic!("{other:?}"),
     };
     assert_eq!(new.slot, old.slot);
-    t.complete(&new, Some(&response("new")), LEASE + 1, RETENTION).unwrap();
+    complete(&t, &new, "new", LEASE + 1, RETENTION);
     // The late owner finishes: nothing changes.
-    assert_eq!(t.complete(&old, Some(&response("old")), LEASE + 2, RETENTION).unwrap(), Finish::Lost);
+    assert_eq!(complete(&t, &old, "old", LEASE + 2, RETENTION), Completed::Lost);
     assert_eq!(t.renew(&old, LEASE + 2, LEASE).unwrap(), Finish::Lost);
     assert_eq!(t.begin(&key(1), &fp(9), LEASE + 3, LEASE).unwrap(), Begin::Replay(response("new")));
 }
@@ -113,8 +161,10 @@ fn late_owner_racing_the_new_owner_never_clobbers_its_response() {
         Begin::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
-    t.complete(&new, Some(&response("new")), LEASE + 2, RETENTION).unwrap();
-    assert_eq!(t.write_response(&old, &response("old")).unwrap(), None);
+    complete(&t, &new, "new", LEASE + 2, RETENTION);
+    let mut late = response("old");
+    late.stamp(old.gen, &old.key);
+    assert_eq!(t.write_response(&old, &late).unwrap(), None);
     assert_eq!(t.begin(&key(1), &fp(1), LEASE + 3, LEASE).unwrap(), Begin::Replay(response("new")));
 }
 
@@ -132,28 +182,91 @@ fn renewal_keeps_a_slow_owner() {
 fn retention_ends_replay() {
     let t = table(1024);
     let ticket = claim(&t, 1, 0);
-    t.complete(&ticket, Some(&response("r")), 0, RETENTION).unwrap();
+    complete(&t, &ticket, "r", 0, RETENTION);
     assert!(matches!(t.begin(&key(1), &fp(1), RETENTION - 1, LEASE).unwrap(), Begin::Replay(_)));
     assert!(matches!(t.begin(&key(1), &fp(7), RETENTION, LEASE).unwrap(), Begin::Claimed { takeover: false, .. }));
 }
 
 #[test]
-fn a_full_bucket_refuses_new_keys_until_entries_expire() {
+fn a_full_bucket_evicts_its_oldest_completed_entry_for_a_new_key() {
     let t = table(WAYS); // one bucket
     for k in 0..WAYS as u64 {
-        claim(&t, k, 0);
+        let ticket = claim(&t, k, k);
+        complete(&t, &ticket, &format!("r{k}"), 100 + k, RETENTION);
     }
-    assert_eq!(t.begin(&key(1000), &fp(1), 1, LEASE).unwrap(), Begin::Full);
-    // Known keys still get their answer.
-    assert_eq!(t.begin(&key(3), &fp(1), 1, LEASE).unwrap(), Begin::InProgress);
-    assert!(matches!(t.begin(&key(1000), &fp(1), LEASE, LEASE).unwrap(), Begin::Claimed { .. }));
+    let change = match t.begin(&key(1000), &fp(1), 500, LEASE).unwrap() {
+        Begin::Claimed { change, .. } => change,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(change.evicted, 1);
+    assert_eq!(change.youngest_evicted_ms, Some(400), "key 0 completed at 100, evicted at 500");
+    assert_eq!((change.in_progress, change.completed), (1, -1));
+    assert_eq!(change.bytes, -(response("r0").stored_len() as i64));
+    // The oldest is gone (a retry of it runs again); the others still replay.
+    assert!(matches!(t.begin(&key(0), &fp(1), 501, LEASE).unwrap(), Begin::Claimed { .. }));
+    for k in 2..WAYS as u64 {
+        assert_eq!(replay_body(&t, k, 502), Some(format!("r{k}").into_bytes()), "key {k}");
+    }
+}
+
+#[test]
+fn in_progress_marks_are_never_evicted() {
+    let t = table(WAYS);
+    let marks: Vec<Ticket> = (0..WAYS as u64 - 1).map(|k| claim(&t, k, 0)).collect();
+    let last = claim(&t, 500, 0);
+    complete(&t, &last, "done", 1, RETENTION);
+    // The one completed entry makes room; after that only live marks are left.
+    assert!(matches!(t.begin(&key(1000), &fp(1), 2, LEASE).unwrap(), Begin::Claimed { .. }));
+    assert_eq!(t.begin(&key(1001), &fp(1), 3, LEASE).unwrap(), Begin::Full);
+    // Known keys still get their answer, and every mark's owner still owns it.
+    assert_eq!(t.begin(&key(3), &fp(1), 4, LEASE).unwrap(), Begin::InProgress);
+    for m in &marks {
+        assert_eq!(t.renew(m, 5, LEASE).unwrap(), Finish::Done);
+    }
+    // Past the leases, expired marks make room again.
+    assert!(matches!(t.begin(&key(1001), &fp(1), 5 + LEASE, LEASE).unwrap(), Begin::Claimed { .. }));
+}
+
+#[test]
+fn the_byte_budget_evicts_the_oldest_responses_first() {
+    let size = response(&"b".repeat(1000)).stored_len() as u64;
+    // One bucket holding at most three such responses.
+    let t = table_with_budget(WAYS, 3 * size + 10);
+    let mut evicted = 0;
+    let mut bytes = 0i64;
+    for k in 0..10u64 {
+        let ticket = claim(&t, k, k * 10);
+        let change = done(complete(&t, &ticket, &"b".repeat(1000), k * 10 + 1, RETENTION));
+        evicted += change.evicted;
+        bytes += change.bytes;
+        assert!(bytes as u64 <= 3 * size + 10, "key {k}: {bytes} bytes held");
+    }
+    assert_eq!(evicted, 7);
+    assert_eq!(bytes as u64, 3 * size);
+    for k in 0..7 {
+        assert_eq!(replay_body(&t, k, 200), None, "key {k} was evicted");
+    }
+    for k in 7..10 {
+        assert_eq!(replay_body(&t, k, 200), Some(b"b".repeat(1000)), "key {k}");
+    }
+    // What the store really holds: three responses, the rest emptied.
+    assert!(t.store.value_bytes() < 3 * size as usize + 2 * crate::entry::BUCKET_BYTES);
+}
+
+#[test]
+fn a_response_larger_than_a_bucket_share_completes_without_body() {
+    let t = table_with_budget(WAYS, 500);
+    let ticket = claim(&t, 1, 0);
+    let c = complete(&t, &ticket, &"x".repeat(600), 1, RETENTION);
+    assert!(matches!(c, Completed::WithoutBody(Change { bytes: 0, .. })), "{c:?}");
+    assert_eq!(t.begin(&key(1), &fp(1), 2, LEASE).unwrap(), Begin::CompletedWithoutBody);
 }
 
 #[test]
 fn memory_is_bounded_however_many_keys_pass() {
     let t = table(256);
     let keys_after_create = t.store.key_count();
-    assert_eq!(keys_after_create, 4 + 256 + 1);
+    assert_eq!(keys_after_create, 4 + 256 + 2);
     let mut now = 0;
     for k in 0..20_000u64 {
         now += 1;
@@ -161,51 +274,46 @@ fn memory_is_bounded_however_many_keys_pass() {
             Begin::Claimed { ticket, .. } => ticket,
             other => panic!("key {k}: {other:?}"),
         };
-        t.complete(&ticket, Some(&response(&"x".repeat(100))), now, 50).unwrap();
-        if k.is_multiple_of(64) {
-            for b in 0..t.layout.buckets() {
-                t.sweep(b, now).unwrap();
-            }
-        }
+        complete(&t, &ticket, &"x".repeat(100), now, 1_000_000);
     }
+    // Nothing expired: every new key evicted an old one, and the store kept its size.
     assert_eq!(t.store.key_count(), keys_after_create);
-    assert!(t.store.value_bytes() < 256 * 300 + 4 * BUCKET_BYTES_FOR_TEST);
+    let one = response(&"x".repeat(100)).stored_len();
+    assert!(t.store.value_bytes() <= 256 * one + 4 * crate::entry::BUCKET_BYTES + 64);
 }
-
-const BUCKET_BYTES_FOR_TEST: usize = entry::BUCKET_BYTES;
 
 #[test]
 fn sweep_frees_expired_entries_and_their_responses() {
     let t = table(64);
     let a = claim(&t, 1, 0);
-    t.complete(&a, Some(&response(&"y".repeat(1000))), 0, 100).unwrap();
+    complete(&t, &a, &"y".repeat(1000), 0, 100);
     let _b = claim(&t, 2, 0);
     let before = t.store.value_bytes();
-    let swept = t.sweep(0, 50).unwrap();
-    assert_eq!(swept, Swept::default());
+    assert_eq!(t.sweep(0, 50).unwrap(), Change::default());
     let swept = t.sweep(0, LEASE).unwrap();
-    assert_eq!(swept.freed, Held { in_progress: 1, completed: 1 });
+    let bytes = response(&"y".repeat(1000)).stored_len() as i64;
+    assert_eq!(swept, Change { in_progress: -1, completed: -1, bytes: -bytes, expired_marks: 1, ..Change::default() });
     assert!(t.store.value_bytes() < before - 1000);
 }
 
 #[test]
-fn release_frees_an_older_response_left_in_the_way() {
+fn a_claim_over_an_old_response_frees_it() {
     let t = table(64);
     let a = claim(&t, 1, 0);
-    t.complete(&a, Some(&response(&"z".repeat(1000))), 0, 10).unwrap();
+    complete(&t, &a, &"z".repeat(1000), 0, 10);
+    let before = t.store.value_bytes();
     let b = claim(&t, 1, 20); // reuses the expired way
     assert_eq!(b.slot, a.slot);
-    let before = t.store.value_bytes();
-    t.release(&b).unwrap();
     assert!(t.store.value_bytes() < before - 1000);
+    t.release(&b).unwrap();
 }
 
 #[test]
 fn corrupt_values_are_errors_not_panics() {
     let t = table(64);
-    t.store.set("t:1:b0", b"foreign", None).unwrap();
+    t.store.set("t:t2:1:b0", b"foreign", None).unwrap();
     assert!(matches!(t.begin(&key(1), &fp(1), 0, LEASE), Err(StoreError::Corrupt(_))));
-    let missing = Table::new(MemoryKv::new(), Layout::new("t", 64));
+    let missing = Table::new(MemoryKv::new(), Layout::new("t", 64, PLENTY));
     assert_eq!(missing.begin(&key(1), &fp(1), 0, LEASE), Err(StoreError::Missing));
 }
 
@@ -213,8 +321,8 @@ fn corrupt_values_are_errors_not_panics() {
 fn corrupt_response_is_an_error() {
     let t = table(64);
     let a = claim(&t, 1, 0);
-    t.complete(&a, Some(&response("ok")), 0, RETENTION).unwrap();
-    t.store.set(&t.layout.data_key(a.slot), b"R\x01garbage", None).unwrap();
+    complete(&t, &a, "ok", 0, RETENTION);
+    t.store.set(&t.layout.data_key(a.slot), b"garbage\x02R", None).unwrap();
     assert!(matches!(t.begin(&key(1), &fp(1), 1, LEASE), Err(StoreError::Corrupt(_))));
 }
 
@@ -224,6 +332,15 @@ fn create_is_idempotent_and_keeps_entries() {
     let a = claim(&t, 1, 0);
     assert!(!t.create().unwrap());
     assert_eq!(t.release(&a).unwrap(), Finish::Done);
+}
+
+#[test]
+fn evictions_feed_the_effective_retention() {
+    let t = table(64);
+    assert_eq!(t.note_evictions(1_000_000, None).unwrap(), 0);
+    assert_eq!(t.note_evictions(1_000_100, Some(9_000)).unwrap(), 9_000);
+    assert_eq!(t.note_evictions(1_000_200, Some(12_000)).unwrap(), 9_000, "another worker's older one");
+    assert_eq!(t.note_evictions(1_300_000, None).unwrap(), 0, "nothing evicted for minutes");
 }
 
 /// Many threads race for the same keys against the Envoy-semantics store: exactly one claim
@@ -248,11 +365,11 @@ fn concurrent_callers_claim_each_key_once() {
                         Begin::Claimed { ticket, .. } => {
                             claims.fetch_add(1, Ordering::SeqCst);
                             if k.is_multiple_of(2) {
-                                t.complete(&ticket, Some(&response(&k.to_string())), 0, RETENTION).unwrap();
+                                complete(&t, &ticket, &k.to_string(), 0, RETENTION);
                             }
                         }
                         Begin::InProgress => {}
-                        Begin::Replay(r) => assert_eq!(r.body, k.to_string().as_bytes()),
+                        Begin::Replay(r) => assert_eq!(r.body(), k.to_string().as_bytes()),
                         other => panic!("{other:?}"),
                     }
                 }
@@ -265,29 +382,33 @@ fn concurrent_callers_claim_each_key_once() {
     assert_eq!(claims.load(Ordering::SeqCst), KEYS as usize);
 }
 
-/// Owners complete, release and renew while others claim and take over expired marks: the
-/// invariants of SPEC §3.8 hold at every step.
+/// Owners complete, release and renew while others claim and take over expired marks: every
+/// replay is a response whose completion returned `Stored`, of the key asked for (SPEC §3.8).
 #[test]
 #[cfg(not(target_family = "wasm"))]
 fn concurrent_owners_never_overwrite_each_other() {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
     const THREADS: usize = 8;
     let t = Arc::new(table(64)); // one bucket: maximal contention
     let barrier = Arc::new(Barrier::new(THREADS));
+    let stored = Arc::new(Mutex::new(HashSet::new()));
     let handles: Vec<_> = (0..THREADS)
         .map(|i| {
-            let (t, barrier) = (t.clone(), barrier.clone());
+            let (t, barrier, stored) = (t.clone(), barrier.clone(), stored.clone());
             std::thread::spawn(move || {
                 barrier.wait();
-                let mut completed = 0;
+                let mut replays = Vec::new();
                 for round in 0..300u64 {
                     // Time moves fast: marks expire and are taken over all the time.
                     let now = round * 1_000;
-                    if let Begin::Claimed { ticket, .. } = t.begin(&key(round % 5), &fp(1), now, 1_500).unwrap() {
+                    let k = round % 5;
+                    if let Begin::Claimed { ticket, .. } = t.begin(&key(k), &fp(1), now, 1_500).unwrap() {
                         match (round + i as u64) % 3 {
                             0 => {
-                                let body = format!("{i}-{round}");
-                                if t.complete(&ticket, Some(&response(&body)), now, 2_000).unwrap() == Finish::Done {
-                                    completed += 1;
+                                let body = format!("key{k}-thread{i}-round{round}");
+                                if let Completed::Stored(_) = complete(&t, &ticket, &body, now, 2_000) {
+                                    stored.lock().unwrap().insert(body);
                                 }
                             }
                             1 => {
@@ -296,16 +417,19 @@ fn concurrent_owners_never_overwrite_each_other() {
                             _ => {} // the owner "dies": its mark expires
                         }
                     }
-                    if let Begin::Replay(r) = t.begin(&key(round % 5), &fp(1), now, 1_500).unwrap() {
-                        // A replay is always a response that some owner really completed.
-                        let body = String::from_utf8(r.body).unwrap();
-                        assert!(body.contains('-'), "{body}");
+                    if let Some(body) = replay_body(&t, k, now) {
+                        replays.push((k, String::from_utf8(body).unwrap()));
                     }
                 }
-                completed
+                replays
             })
         })
         .collect();
-    let completed: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
-    assert!(completed > 0);
+    let replays: Vec<(u64, String)> = handles.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    let stored = stored.lock().unwrap();
+    assert!(!replays.is_empty() && !stored.is_empty());
+    for (k, body) in &replays {
+        assert!(stored.contains(body), "replayed {body:?}, which no completion stored");
+        assert!(body.starts_with(&format!("key{k}-")), "key {k} replayed {body:?}");
+    }
 }

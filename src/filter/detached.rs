@@ -85,8 +85,9 @@ fn classify(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {
             return Answer::NoAnswer { status: 504, reason: "The upstream did not answer within upstream_timeout_ms" };
         }
     }
-    let headers = headers.into_iter().filter(|(n, _)| !super::is_hop_by_hop(n)).collect();
-    Answer::Upstream(StoredResponse { status, headers, body })
+    // The body becomes the stored form in place: the VM holds one copy of the answer.
+    let kept = headers.iter().filter(|(n, _)| !super::is_hop_by_hop(n)).map(|(n, v)| (n.as_str(), v.as_slice()));
+    Answer::Upstream(StoredResponse::new(status, kept, body))
 }
 
 pub(super) fn on_call_answer(vm: &Vm, token: u32, num_headers: usize, body_size: usize) {
@@ -110,17 +111,21 @@ pub(super) fn on_call_answer(vm: &Vm, token: u32, num_headers: usize, body_size:
             let p = Problem::upstream_failed(status, reason, policy.retry_after_s);
             answer_client(vm, call.context_id, |vm| vm.reply_problem(&p));
         }
-        Answer::Upstream(response) => {
-            match &call.owner {
-                Some(owner) if policy.release_statuses.contains(response.status) => vm.release(owner),
-                Some(owner) => {
-                    let keep = response.body.len() <= policy.max_response_bytes;
-                    vm.complete(call.policy, owner, keep.then(|| response.clone()));
+        Answer::Upstream(response) => match &call.owner {
+            Some(owner) if !policy.release_statuses.contains(response.status()) => {
+                if response.stored_len() <= policy.max_response_bytes {
+                    vm.complete_then_answer(call.policy, owner, response, call.context_id);
+                    return;
                 }
-                None => {}
+                vm.complete(call.policy, owner, None);
+                answer_client(vm, call.context_id, |_| send_stored(&response, false));
             }
-            answer_client(vm, call.context_id, |_| send_stored(&response, false));
-        }
+            Some(owner) => {
+                vm.release(owner);
+                answer_client(vm, call.context_id, |_| send_stored(&response, false));
+            }
+            None => answer_client(vm, call.context_id, |_| send_stored(&response, false)),
+        },
     }
 }
 

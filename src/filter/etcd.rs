@@ -22,12 +22,14 @@ use crate::entry::{decode_entry, encode_entry, State, StoredResponse, Way};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Counter;
 use crate::problem::Problem;
-use crate::store::etcd::{self as proto, EtcdError, TxnResult};
+use crate::store::etcd::{self as proto, Backoff, ErrorKind, EtcdError, Kv, TxnResult};
 
 /// How often a held request (wait mode) asks etcd again.
 const WAIT_POLL_MS: u64 = 100;
 /// Rounds of claim/takeover for one request before it is answered 503.
 const MAX_ATTEMPTS: u8 = 6;
+/// How often "etcd is out of space" is logged at most.
+const NO_SPACE_LOG_MS: u64 = 60_000;
 
 /// A covered request waiting for the store's word.
 pub struct ClaimReq {
@@ -58,13 +60,31 @@ struct EtcdOwner {
     mod_revision: i64,
     busy: bool,
     ending: Option<Ending>,
+    /// After a refused completion or release: when to try again.
+    retry: Backoff,
 }
 
 enum Op {
-    Claim { req: ClaimReq, value: Vec<u8>, way: Way },
-    Renew { id: u64, way: Way },
-    End { id: u64 },
-    Cleanup { key: Vec<u8>, value: Vec<u8> },
+    Claim {
+        req: ClaimReq,
+        value: Vec<u8>,
+        way: Way,
+    },
+    /// A read-only look at a key whose claim etcd refused for lack of space.
+    Read {
+        req: ClaimReq,
+    },
+    Renew {
+        id: u64,
+        way: Way,
+    },
+    End {
+        id: u64,
+    },
+    Cleanup {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
     GrantReplica,
     GrantRetention(u64),
     KeepAlive,
@@ -86,6 +106,13 @@ pub struct Etcd {
     inflight: HashMap<u32, Op>,
     cleanups: Vec<(Vec<u8>, Vec<u8>)>,
     token_seed: u64,
+    /// Whether etcd answers at all: after a failure every request waits for the backoff, and
+    /// then one request at a time probes (SPEC §3.8: a store that fails is never hammered).
+    health: Backoff,
+    probe: Option<u32>,
+    /// Lease grants, keepalives and cleanups that etcd refused: retried after this.
+    background: Backoff,
+    no_space_logged_ms: u64,
 }
 
 impl Etcd {
@@ -105,6 +132,10 @@ impl Etcd {
             inflight: HashMap::new(),
             cleanups: Vec::new(),
             token_seed: RandomState::new().build_hasher().finish(),
+            health: Backoff::default(),
+            probe: None,
+            background: Backoff::default(),
+            no_space_logged_ms: 0,
         }
     }
 
@@ -117,6 +148,11 @@ impl Etcd {
         self.next_owner += 1;
         h.finish()
     }
+}
+
+/// A random number, for the backoff's jitter.
+fn random() -> u64 {
+    RandomState::new().build_hasher().finish()
 }
 
 fn with<T>(vm: &Vm, f: impl FnOnce(&mut Etcd) -> T) -> Option<T> {
@@ -162,7 +198,12 @@ pub fn renew(vm: &Vm, id: u64, now: u64, lease_ms: u64) {
 /// Timer work: keepalive, held requests due for another look, retries; then send.
 pub fn tick(vm: &Vm, now: u64) {
     let keepalive = with(vm, |e| {
-        let due = e.lease.is_some() && now.saturating_sub(e.keepalive_ms) >= e.lease_ttl_s * 1000 / 3;
+        // A keepalive is also the probe that finds etcd back once the backoff has passed,
+        // without waiting for client traffic.
+        let probe_due = e.health.failing() && e.health.ready(now) && e.probe.is_none();
+        let due = e.lease.is_some()
+            && e.background.ready(now)
+            && (probe_due || now.saturating_sub(e.keepalive_ms) >= e.lease_ttl_s * 1000 / 3);
         if due {
             e.keepalive_ms = now;
         }
@@ -183,8 +224,10 @@ pub fn tick(vm: &Vm, now: u64) {
 pub fn pump(vm: &Vm, now: u64) {
     let Some(cell) = vm.etcd.as_ref() else { return };
     // Keep a retention lease ready for every policy's retention, so that completions do not
-    // wait for a grant.
-    let retentions: Vec<u64> = vm.config.policies().map(|p| p.retention_s).collect();
+    // wait for a grant. Grants and cleanups that etcd refused wait for their backoff.
+    let background = cell.borrow().background.ready(now);
+    let retentions: Vec<u64> =
+        if background { vm.config.policies().map(|p| p.retention_s).collect() } else { Vec::new() };
     for retention_s in retentions {
         let grant = {
             let mut e = cell.borrow_mut();
@@ -203,7 +246,7 @@ pub fn pump(vm: &Vm, now: u64) {
     }
     let need_lease = {
         let mut e = cell.borrow_mut();
-        let need = e.lease.is_none() && !e.lease_pending;
+        let need = e.lease.is_none() && !e.lease_pending && e.background.ready(now);
         if need {
             e.lease_pending = true;
         }
@@ -213,6 +256,14 @@ pub fn pump(vm: &Vm, now: u64) {
         let ttl = cell.borrow().lease_ttl_s;
         if !send(vm, proto::GRANT_PATH, &proto::grant_body(ttl), Op::GrantReplica) {
             cell.borrow_mut().lease_pending = false;
+        }
+    }
+    {
+        // No lease and none coming: the queued claims cannot be sent.
+        let e = cell.borrow();
+        let stuck = e.lease.is_none() && !e.lease_pending && !e.claims.is_empty();
+        drop(e);
+        if stuck {
             fail_claims(vm);
         }
     }
@@ -229,12 +280,17 @@ pub fn pump(vm: &Vm, now: u64) {
         send_claim(vm, req, lease, token, now);
     }
     // Owners whose call ended and whose last write is acknowledged.
-    let ready: Vec<u64> =
-        cell.borrow().owners.iter().filter(|(_, o)| o.ending.is_some() && !o.busy).map(|(id, _)| *id).collect();
+    let ready: Vec<u64> = cell
+        .borrow()
+        .owners
+        .iter()
+        .filter(|(_, o)| o.ending.is_some() && !o.busy && o.retry.ready(now))
+        .map(|(id, _)| *id)
+        .collect();
     for id in ready {
         send_end(vm, id, now);
     }
-    let cleanups = std::mem::take(&mut cell.borrow_mut().cleanups);
+    let cleanups = if background { std::mem::take(&mut cell.borrow_mut().cleanups) } else { Vec::new() };
     for (key, value) in cleanups {
         let body = proto::delete_if_value_txn(&key, &value);
         if !send(vm, proto::TXN_PATH, &body, Op::Cleanup { key: key.clone(), value: value.clone() }) {
@@ -251,6 +307,8 @@ fn send_claim(vm: &Vm, req: ClaimReq, lease: i64, token: u64, now: u64) {
         key: req.tag,
         fingerprint: req.fingerprint,
         deadline_ms: now.saturating_add(lease_ms),
+        since_ms: now,
+        bytes: 0,
     };
     let value = encode_entry(&way, None);
     let body = match req.takeover {
@@ -273,7 +331,7 @@ fn send_end(vm: &Vm, id: u64, now: u64) {
         };
         let usable = e.retention.get(&retention_s).filter(|(_, until)| now < *until).map(|(l, _)| *l);
         let Some(o) = e.owners.get_mut(&id) else { return };
-        match &o.ending {
+        match &mut o.ending {
             Some(Ending::Release) => {
                 o.busy = true;
                 proto::delete_txn(&o.key, o.mod_revision)
@@ -291,7 +349,12 @@ fn send_end(vm: &Vm, id: u64, now: u64) {
                     return;
                 };
                 let state = if response.is_some() { State::Completed } else { State::CompletedNoBody };
-                let way = Way { state, deadline_ms: now.saturating_add(retention_s * 1000), ..o.way };
+                let bytes = response.as_ref().map_or(0, |r| r.stored_len() as u32);
+                let deadline_ms = now.saturating_add(retention_s * 1000);
+                let way = Way { state, deadline_ms, since_ms: now, bytes, ..o.way };
+                if let Some(r) = response.as_mut() {
+                    r.stamp(way.gen, &way.key);
+                }
                 o.busy = true;
                 proto::replace_txn(&o.key, o.mod_revision, &encode_entry(&way, response.as_ref()), lease)
             }
@@ -312,9 +375,14 @@ fn retention_slack_s(retention_s: u64) -> u64 {
 /// Sends one request to etcd from the root context; `false` if it could not be sent.
 fn send(vm: &Vm, path: &str, body: &[u8], op: Op) -> bool {
     let Some(cell) = vm.etcd.as_ref() else { return false };
-    let (cluster, authority, timeout) = {
+    let now = vm.now_ms();
+    let (cluster, authority, timeout, probing) = {
         let e = cell.borrow();
-        (e.cfg.cluster.clone(), e.cfg.authority.clone(), Duration::from_millis(e.cfg.timeout_ms))
+        // Unreachable: wait for the backoff, then let one request at a time find out.
+        if e.health.failing() && (e.probe.is_some() || !e.health.ready(now)) {
+            return false;
+        }
+        (e.cfg.cluster.clone(), e.cfg.authority.clone(), Duration::from_millis(e.cfg.timeout_ms), e.health.failing())
     };
     let headers = vec![
         (":method", "POST"),
@@ -324,11 +392,16 @@ fn send(vm: &Vm, path: &str, body: &[u8], op: Op) -> bool {
     ];
     match host::dispatch(&cluster, headers, body, timeout) {
         Ok(token) => {
-            cell.borrow_mut().inflight.insert(token, op);
+            let mut e = cell.borrow_mut();
+            e.inflight.insert(token, op);
+            if probing {
+                e.probe = Some(token);
+            }
             true
         }
         Err(status) => {
             log::warn!("etcd: cannot send to cluster {cluster:?}: {status:?}");
+            cell.borrow_mut().health.fail(now, random());
             false
         }
     }
@@ -337,10 +410,29 @@ fn send(vm: &Vm, path: &str, body: &[u8], op: Op) -> bool {
 /// An answer from etcd, if `token` is one of ours.
 pub fn on_answer(vm: &Vm, token: u32, status: u16, body: &[u8], now: u64) -> bool {
     let Some(op) = with(vm, |e| e.inflight.remove(&token)).flatten() else { return false };
+    let unreachable = proto::is_unreachable(status, body);
+    with(vm, |e| {
+        let probe = e.probe == Some(token);
+        if probe {
+            e.probe = None;
+        }
+        if !unreachable {
+            e.health.succeed();
+        } else if probe || !e.health.failing() {
+            // Answers to requests sent before the first failure do not grow the backoff.
+            e.health.fail(now, random());
+            log::warn!("etcd: no answer (status {status}); backing off");
+        }
+    });
     match op {
         Op::Claim { req, value, way } => on_claim(vm, req, value, way, proto::parse_txn(status, body), now),
+        Op::Read { req } => match proto::parse_range(status, body) {
+            Ok(Some(kv)) => judge_existing(vm, req, kv, now, false),
+            Ok(None) | Err(_) => unavailable(vm, req.context_id, req.policy, req.outbound),
+        },
         Op::Renew { id, way } => {
             let result = proto::parse_txn(status, body);
+            note_no_space(vm, &result, now);
             let lost = with(vm, |e| {
                 let lost = matches!(result, Ok(TxnResult { succeeded: false, .. }));
                 if let Err(err) = &result {
@@ -364,6 +456,7 @@ pub fn on_answer(vm: &Vm, token: u32, status: u16, body: &[u8], now: u64) -> boo
         }
         Op::End { id } => {
             let result = proto::parse_txn(status, body);
+            note_no_space(vm, &result, now);
             let outcome = with(vm, |e| match &result {
                 Ok(r) => e.owners.remove(&id).map(|o| (r.succeeded, o.ending)),
                 Err(err) => {
@@ -371,7 +464,17 @@ pub fn on_answer(vm: &Vm, token: u32, status: u16, body: &[u8], now: u64) -> boo
                         e.retention.clear();
                     }
                     if let Some(o) = e.owners.get_mut(&id) {
-                        o.busy = false; // retried from on_tick until etcd acknowledges it
+                        // Retried after a backoff until etcd acknowledges it. A response over
+                        // etcd's request limit is completed without its body instead.
+                        o.busy = false;
+                        if err.kind() == ErrorKind::TooLarge {
+                            if let Some(Ending::Complete(response)) = &mut o.ending {
+                                log::warn!("etcd: the response is over etcd's request limit; completing without it");
+                                *response = None;
+                            }
+                        } else {
+                            o.retry.fail(now, random());
+                        }
                     }
                     None
                 }
@@ -396,7 +499,10 @@ pub fn on_answer(vm: &Vm, token: u32, status: u16, body: &[u8], now: u64) -> boo
         }
         Op::Cleanup { key, value } => {
             if proto::parse_txn(status, body).is_err() {
-                with(vm, |e| e.cleanups.push((key, value)));
+                with(vm, |e| {
+                    e.cleanups.push((key, value));
+                    e.background.fail(now, random());
+                });
             }
         }
         Op::GrantReplica => match proto::parse_grant(status, body) {
@@ -409,7 +515,10 @@ pub fn on_answer(vm: &Vm, token: u32, status: u16, body: &[u8], now: u64) -> boo
             }
             Err(err) => {
                 log::warn!("etcd: lease grant failed: {err:?}");
-                with(vm, |e| e.lease_pending = false);
+                with(vm, |e| {
+                    e.lease_pending = false;
+                    e.background.fail(now, random());
+                });
                 fail_claims(vm);
             }
         },
@@ -417,8 +526,11 @@ pub fn on_answer(vm: &Vm, token: u32, status: u16, body: &[u8], now: u64) -> boo
             let granted = proto::parse_grant(status, body);
             with(vm, |e| {
                 e.retention_pending.remove(&retention_s);
-                if let Ok(lease) = granted {
-                    e.retention.insert(retention_s, (lease, now + retention_slack_s(retention_s) * 1000));
+                match granted {
+                    Ok(lease) => {
+                        e.retention.insert(retention_s, (lease, now + retention_slack_s(retention_s) * 1000));
+                    }
+                    Err(_) => e.background.fail(now, random()),
                 }
             });
         }
@@ -449,15 +561,7 @@ fn fail_claims(vm: &Vm) {
 
 fn on_claim(vm: &Vm, mut req: ClaimReq, value: Vec<u8>, way: Way, result: Result<TxnResult, EtcdError>, now: u64) {
     let policy = vm.policy(req.policy);
-    let retry = |vm: &Vm, mut req: ClaimReq| {
-        req.attempts += 1;
-        if req.attempts >= MAX_ATTEMPTS {
-            let p = vm.store_problem(crate::engine::StoreError::Contention, vm.policy(req.policy).retry_after_s);
-            answer_client(vm, req.context_id, |vm| vm.reply_problem(&p));
-        } else {
-            with(vm, |e| e.claims.push_back(req));
-        }
-    };
+    let retry = retry_claim;
     match result {
         Ok(TxnResult { succeeded: true, revision, .. }) => {
             vm.count(Counter::Claimed);
@@ -476,6 +580,7 @@ fn on_claim(vm: &Vm, mut req: ClaimReq, value: Vec<u8>, way: Way, result: Result
                         mod_revision: revision,
                         busy: false,
                         ending: None,
+                        retry: Backoff::default(),
                     },
                 );
                 id
@@ -491,50 +596,14 @@ fn on_claim(vm: &Vm, mut req: ClaimReq, value: Vec<u8>, way: Way, result: Result
             req.takeover = None;
             retry(vm, req);
         }
-        Ok(TxnResult { current: Some(kv), .. }) => {
-            // An entry must be of this key: a value copied from another key is foreign.
-            let decoded = decode_entry(&kv.value).and_then(|(entry, response)| {
-                if entry.key == req.tag {
-                    Ok((entry, response))
-                } else {
-                    Err(crate::entry::Corrupt("entry: of another key"))
-                }
-            });
-            let (entry, response) = match decoded {
-                Ok(decoded) => decoded,
-                Err(e) => {
-                    let p = vm.store_problem(crate::engine::StoreError::Corrupt(e.0), policy.retry_after_s);
-                    answer_client(vm, req.context_id, |vm| vm.reply_problem(&p));
-                    return;
-                }
-            };
-            match decide_entry(Some(&entry), &req.fingerprint, now) {
-                Decision::Claim { .. } => {
-                    req.takeover = Some(kv.mod_revision);
-                    retry(vm, req);
-                }
-                Decision::InProgress => conflict(vm, req, now),
-                Decision::Completed { no_body: false, .. } => match response {
-                    Some(r) => {
-                        vm.count(Counter::Replayed);
-                        answer_client(vm, req.context_id, |_| send_stored(&r, true));
-                    }
-                    None => {
-                        let p = vm.store_problem(
-                            crate::engine::StoreError::Corrupt("entry: no response"),
-                            policy.retry_after_s,
-                        );
-                        answer_client(vm, req.context_id, |vm| vm.reply_problem(&p));
-                    }
-                },
-                Decision::Completed { no_body: true, .. } => {
-                    vm.count(Counter::Conflict);
-                    answer_client(vm, req.context_id, |vm| vm.reply_problem(&Problem::completed_without_response()));
-                }
-                Decision::Mismatch | Decision::Full => {
-                    vm.count(Counter::FingerprintMismatch);
-                    answer_client(vm, req.context_id, |vm| vm.reply_problem(&Problem::fingerprint_mismatch()));
-                }
+        Ok(TxnResult { current: Some(kv), .. }) => judge_existing(vm, req, kv, now, true),
+        Err(err) if err.kind() == ErrorKind::NoSpace => {
+            // etcd refuses writes, reads still work: a stored answer replays, an in-progress
+            // mark still conflicts; a new key cannot be claimed (on_unavailable).
+            note_no_space(vm, &Err::<(), _>(err), now);
+            let (context_id, policy, outbound) = (req.context_id, req.policy, req.outbound.clone());
+            if !send(vm, proto::RANGE_PATH, &proto::range_body(&req.key), Op::Read { req }) {
+                unavailable(vm, context_id, policy, outbound);
             }
         }
         Err(err) => {
@@ -551,6 +620,86 @@ fn on_claim(vm: &Vm, mut req: ClaimReq, value: Vec<u8>, way: Way, result: Result
             }
             unavailable(vm, req.context_id, req.policy, req.outbound);
         }
+    }
+}
+
+/// The key holds an entry: conflict, replay, mismatch, or (expired, and `writable`) another
+/// round to take it over.
+fn judge_existing(vm: &Vm, mut req: ClaimReq, kv: Kv, now: u64, writable: bool) {
+    let policy = vm.policy(req.policy);
+    // An entry must be of this key: a value copied from another key is foreign.
+    let decoded = decode_entry(&kv.value).and_then(|(entry, response)| {
+        if entry.key == req.tag {
+            Ok((entry, response))
+        } else {
+            Err(crate::entry::Corrupt("entry: of another key"))
+        }
+    });
+    let (entry, response) = match decoded {
+        Ok(decoded) => decoded,
+        Err(e) => {
+            let p = vm.store_problem(crate::engine::StoreError::Corrupt(e.0), policy.retry_after_s);
+            answer_client(vm, req.context_id, |vm| vm.reply_problem(&p));
+            return;
+        }
+    };
+    match decide_entry(Some(&entry), &req.fingerprint, now) {
+        Decision::Claim { .. } if writable => {
+            req.takeover = Some(kv.mod_revision);
+            retry_claim(vm, req);
+        }
+        Decision::Claim { .. } => unavailable(vm, req.context_id, req.policy, req.outbound),
+        Decision::InProgress => conflict(vm, req, now),
+        Decision::Completed { no_body: false, .. } => match response {
+            Some(r) => {
+                vm.count(Counter::Replayed);
+                answer_client(vm, req.context_id, |_| send_stored(&r, true));
+            }
+            None => {
+                let p =
+                    vm.store_problem(crate::engine::StoreError::Corrupt("entry: no response"), policy.retry_after_s);
+                answer_client(vm, req.context_id, |vm| vm.reply_problem(&p));
+            }
+        },
+        Decision::Completed { no_body: true, .. } => {
+            vm.count(Counter::Conflict);
+            answer_client(vm, req.context_id, |vm| vm.reply_problem(&Problem::completed_without_response()));
+        }
+        Decision::Mismatch | Decision::Full => {
+            vm.count(Counter::FingerprintMismatch);
+            answer_client(vm, req.context_id, |vm| vm.reply_problem(&Problem::fingerprint_mismatch()));
+        }
+    }
+}
+
+/// Another round of claim or takeover, or 503 after `MAX_ATTEMPTS`.
+fn retry_claim(vm: &Vm, mut req: ClaimReq) {
+    req.attempts += 1;
+    if req.attempts >= MAX_ATTEMPTS {
+        let p = vm.store_problem(crate::engine::StoreError::Contention, vm.policy(req.policy).retry_after_s);
+        answer_client(vm, req.context_id, |vm| vm.reply_problem(&p));
+    } else {
+        with(vm, |e| e.claims.push_back(req));
+    }
+}
+
+/// etcd refused a write for lack of space (its quota alarm): counted, and logged once a minute.
+fn note_no_space<T>(vm: &Vm, result: &Result<T, EtcdError>, now: u64) {
+    if !matches!(result, Err(e) if e.kind() == ErrorKind::NoSpace) {
+        return;
+    }
+    vm.count(Counter::StoreNoSpace);
+    let log_now = with(vm, |e| {
+        let due = now >= e.no_space_logged_ms;
+        if due {
+            e.no_space_logged_ms = now + NO_SPACE_LOG_MS;
+        }
+        due
+    });
+    if log_now == Some(true) {
+        log::warn!(
+            "etcd refuses writes: its database is over its space quota (alarm NOSPACE). New keys follow on_unavailable; stored answers still replay. Free space (compact, defragment), then disarm the alarm (etcdctl alarm disarm)"
+        );
     }
 }
 

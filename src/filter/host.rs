@@ -201,3 +201,7 @@ pub fn define_gauge(name: &str) -> Option<u32> {
 pub fn add_metric(id: u32, delta: i64) {
     let _ = hostcalls::increment_metric(id, delta);
 }
+
+pub fn set_metric(id: u32, value: u64) {
+    let _ = hostcalls::record_metric(id, value);
+}

@@ -7,7 +7,8 @@ use proxy_wasm::types::Action;
 use std::rc::Rc;
 
 use super::{describe, host, judge, send_stored, Job, Outbound, Owned, Owner, Verdict, Vm, Waiter};
-use crate::config::{Forward, OnConflict, Policy};
+use crate::budget::Reservation;
+use crate::config::{Forward, MissingScope, OnConflict, Policy};
 use crate::entry::StoredResponse;
 use crate::fingerprint::FingerprintBuilder;
 use crate::key::{parse_key, StoreKey};
@@ -45,13 +46,26 @@ struct Pending {
     headers: Option<Vec<(String, Vec<u8>)>>,
 }
 
-/// The upstream's answer as it streams past, kept for the stored response.
+/// The upstream's answer as it streams past, kept for the stored response. `None` once it
+/// is over `max_response_bytes` or the worker's buffer budget: it passes on, unstored.
 struct Capture {
     status: u16,
     headers: Vec<(String, Vec<u8>)>,
-    body: Vec<u8>,
-    too_large: bool,
+    kept: Option<(Vec<u8>, Reservation)>,
 }
+
+/// What a captured header costs in the stored form.
+fn stored_header_bytes(headers: &[(String, Vec<u8>)]) -> usize {
+    crate::entry::STORED_OVERHEAD + headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum::<usize>()
+}
+
+/// A scope whose every configured value is absent: no caller to scope the key by (SPEC §3.1).
+fn scope_is_missing(scopes: &[Option<Vec<u8>>]) -> bool {
+    !scopes.is_empty() && scopes.iter().all(Option::is_none)
+}
+
+/// How often the missing-scope warning is logged at most.
+const SCOPE_LOG_MS: u64 = 60_000;
 
 impl Stream {
     pub fn new(id: u32, vm: Rc<Vm>) -> Stream {
@@ -115,6 +129,23 @@ impl Stream {
             }
         };
         let scopes = scope_values(policy, &headers);
+        if scope_is_missing(&scopes) && policy.missing_scope != MissingScope::Share {
+            vm.count(Counter::ScopeMissing);
+            if policy.missing_scope == MissingScope::Reject {
+                return self.reply(&Problem::scope_missing());
+            }
+            let now = vm.now_ms();
+            if now >= vm.scope_logged_ms.get() {
+                vm.scope_logged_ms.set(now + SCOPE_LOG_MS);
+                log::warn!(
+                    "a covered request carries none of its scope (scope_headers, scope_peer, scope_jwt_claim): passed on without idempotency (missing_scope: pass; logged once a minute)"
+                );
+            }
+            return Action::Continue;
+        }
+        if scope_is_missing(&scopes) {
+            vm.count(Counter::ScopeMissing);
+        }
         let scope_refs: Vec<Option<&[u8]>> = scopes.iter().map(|s| s.as_deref()).collect();
         let key = StoreKey::derive(
             &vm.config.namespace,
@@ -202,7 +233,13 @@ impl Stream {
             },
             Verdict::InProgress => {
                 let room = vm.waiters.borrow().len() < vm.config.max_waiters;
-                if policy.on_conflict == OnConflict::Wait && room {
+                let outbound = if policy.on_conflict == OnConflict::Wait && room { outbound() } else { None };
+                // A held body counts against the worker's buffer budget; past it, 409 at once.
+                let buffered = match &outbound {
+                    Some(o) => vm.buffered.reserve(o.body.len()).map(Some),
+                    None => Some(None),
+                };
+                if let (OnConflict::Wait, true, Some(buffered)) = (policy.on_conflict, room, buffered) {
                     vm.count(Counter::Waited);
                     let deadline_ms = now.saturating_add(policy.wait_max_ms);
                     let waiter = Waiter {
@@ -211,7 +248,8 @@ impl Stream {
                         key,
                         fingerprint,
                         deadline_ms,
-                        outbound: outbound(),
+                        outbound,
+                        _buffered: buffered,
                     };
                     vm.waiters.borrow_mut().push(waiter);
                     self.phase = Phase::Waiting;
@@ -255,9 +293,13 @@ impl Stream {
             self.phase = Phase::Pass;
             return;
         }
-        let headers = headers.into_iter().filter(|(n, _)| !super::is_hop_by_hop(n)).collect();
-        self.phase =
-            Phase::Owner { owner, capture: Some(Capture { status, headers, body: Vec::new(), too_large: false }) };
+        let headers: Vec<(String, Vec<u8>)> = headers.into_iter().filter(|(n, _)| !super::is_hop_by_hop(n)).collect();
+        let head = stored_header_bytes(&headers);
+        let kept = (head <= self.policy().max_response_bytes)
+            .then(|| vm.buffered.reserve(head))
+            .flatten()
+            .map(|reservation| (Vec::new(), reservation));
+        self.phase = Phase::Owner { owner, capture: Some(Capture { status, headers, kept }) };
         if end_of_stream {
             self.finish_capture();
         }
@@ -266,15 +308,15 @@ impl Stream {
     fn on_owner_response_body(&mut self, size: usize, end_of_stream: bool) {
         let max = self.policy().max_response_bytes;
         let Phase::Owner { capture: Some(c), .. } = &mut self.phase else { return };
-        if !c.too_large {
+        if let Some((body, reservation)) = &mut c.kept {
             // With Action::Continue each callback sees the current chunk: copy it as it
-            // passes, so storing never delays or buffers the response.
-            let chunk = host::response_body_chunk(size);
-            if c.body.len() + chunk.len() > max {
-                c.too_large = true;
-                c.body = Vec::new();
+            // passes, so storing never delays or buffers the response. Past the response
+            // limit or the worker's budget, stop copying: the answer passes on, unstored.
+            let fits = reservation.bytes() + size <= max && reservation.grow(size);
+            if fits {
+                body.extend_from_slice(&host::response_body_chunk(size));
             } else {
-                c.body.extend_from_slice(&chunk);
+                c.kept = None;
             }
         }
         if end_of_stream {
@@ -285,7 +327,9 @@ impl Stream {
     fn finish_capture(&mut self) {
         let Phase::Owner { owner, capture: Some(c) } = std::mem::replace(&mut self.phase, Phase::Pass) else { return };
         self.vm.owners.borrow_mut().remove(&self.id);
-        let response = (!c.too_large).then_some(StoredResponse { status: c.status, headers: c.headers, body: c.body });
+        let response = c.kept.map(|(body, _reservation)| {
+            StoredResponse::new(c.status, c.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())), body)
+        });
         self.vm.complete(self.policy, &owner, response);
     }
 }

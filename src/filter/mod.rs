@@ -13,9 +13,10 @@ mod wait;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet, VecDeque};
 
+use crate::budget::{Budget, Reservation};
 use crate::config::{Config, Policy};
-use crate::engine::{Finish, Held, StoreError, Table, Ticket};
-use crate::entry::{State, StoredResponse};
+use crate::engine::{Change, Completed, Finish, StoreError, Table, Ticket};
+use crate::entry::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::{Counter, Gauge};
@@ -74,6 +75,8 @@ pub struct Waiter {
     pub deadline_ms: u64,
     /// Set when the request can be sent detached, should it become the owner.
     pub outbound: Option<Outbound>,
+    /// The worker's buffer budget held by the outbound body.
+    pub _buffered: Option<Reservation>,
 }
 
 /// A completion or release the store did not acknowledge: retried from `on_tick` (SPEC §3.8).
@@ -87,7 +90,13 @@ pub struct Vm {
     pub config: Config,
     pub table: Table<host::SharedData>,
     counters: Vec<(Counter, u32)>,
-    gauges: [Option<u32>; 2],
+    gauges: Vec<(Gauge, u32)>,
+    /// Bytes this worker buffers for requests in flight (`max_buffered_bytes`).
+    pub buffered: Budget,
+    /// The youngest age evicted by this worker since the last tick that reported it.
+    pub evicted_youngest_ms: Cell<Option<u64>>,
+    /// When the missing-scope warning was last logged (once a minute).
+    pub scope_logged_ms: Cell<u64>,
     pub queue_id: Cell<Option<u32>>,
     /// HTTP contexts whose stream is still open (removed in `on_done`).
     pub live: RefCell<HashSet<u32>>,
@@ -113,12 +122,16 @@ pub struct Vm {
 impl Vm {
     pub fn new(config: Config, table: Table<host::SharedData>) -> Vm {
         let counters = Counter::ALL.iter().filter_map(|c| host::define_counter(c.name()).map(|id| (*c, id))).collect();
-        let gauges = [host::define_gauge(Gauge::InProgress.name()), host::define_gauge(Gauge::Completed.name())];
+        let gauges = Gauge::ALL.iter().filter_map(|g| host::define_gauge(g.name()).map(|id| (*g, id))).collect();
+        let buffered = Budget::new(config.max_buffered_bytes);
         Vm {
             config,
             table,
             counters,
             gauges,
+            buffered,
+            evicted_youngest_ms: Cell::new(None),
+            scope_logged_ms: Cell::new(0),
             queue_id: Cell::new(None),
             live: RefCell::default(),
             owners: RefCell::default(),
@@ -139,16 +152,49 @@ impl Vm {
     }
 
     pub fn count(&self, counter: Counter) {
-        if let Some((_, id)) = self.counters.iter().find(|(c, _)| *c == counter) {
-            host::add_metric(*id, 1);
+        self.count_n(counter, 1);
+    }
+
+    fn count_n(&self, counter: Counter, n: u32) {
+        if let (Some((_, id)), true) = (self.counters.iter().find(|(c, _)| *c == counter), n > 0) {
+            host::add_metric(*id, i64::from(n));
         }
     }
 
-    pub fn held(&self, delta: Held) {
-        for (gauge, d) in self.gauges.iter().zip([delta.in_progress, delta.completed]) {
-            if let (Some(id), true) = (gauge, d != 0) {
-                host::add_metric(*id, d);
+    fn gauge(&self, gauge: Gauge) -> Option<u32> {
+        self.gauges.iter().find(|(g, _)| *g == gauge).map(|(_, id)| *id)
+    }
+
+    /// Shows what a table operation changed: gauges, evictions, expired marks.
+    pub fn apply(&self, change: &Change) {
+        for (gauge, delta) in [
+            (Gauge::InProgress, change.in_progress),
+            (Gauge::Completed, change.completed),
+            (Gauge::StoredBytes, change.bytes),
+        ] {
+            if let (Some(id), true) = (self.gauge(gauge), delta != 0) {
+                host::add_metric(id, delta);
             }
+        }
+        self.count_n(Counter::Evicted, change.evicted);
+        self.count_n(Counter::Expired, change.expired_marks);
+        if let Some(age) = change.youngest_evicted_ms {
+            let youngest = self.evicted_youngest_ms.get().map_or(age, |y| y.min(age));
+            self.evicted_youngest_ms.set(Some(youngest));
+        }
+    }
+
+    /// Adds this worker's evictions to the process-wide window and shows the effective
+    /// retention (about once a second, from the timer).
+    pub fn report_retention(&self, now: u64) {
+        match self.table.note_evictions(now, self.evicted_youngest_ms.get()) {
+            Ok(retention_ms) => {
+                self.evicted_youngest_ms.set(None);
+                if let Some(id) = self.gauge(Gauge::EffectiveRetention) {
+                    host::set_metric(id, retention_ms);
+                }
+            }
+            Err(e) => log::debug!("eviction window not updated: {e:?}"),
         }
     }
 
@@ -175,16 +221,44 @@ impl Vm {
     /// it was larger than `max_response_bytes`.
     pub fn complete(&self, policy: usize, owner: &Owner, response: Option<StoredResponse>) {
         match owner {
-            Owner::Table(ticket) => self.complete_ticket(policy, ticket, response),
+            Owner::Table(ticket) => {
+                let mut response = response;
+                if !self.complete_ticket(policy, ticket, response.as_mut()) {
+                    self.queue_completion(policy, ticket, response);
+                }
+            }
             Owner::Etcd(id) => etcd::end(self, *id, etcd::Ending::Complete(response)),
         }
+    }
+
+    /// Completes with `response`, then sends it to the client if it is still there. The VM
+    /// holds one copy of the answer (a second only while a refused write waits to be retried).
+    pub fn complete_then_answer(&self, policy: usize, owner: &Owner, mut response: StoredResponse, context_id: u32) {
+        match owner {
+            Owner::Table(ticket) => {
+                if !self.complete_ticket(policy, ticket, Some(&mut response)) {
+                    self.queue_completion(policy, ticket, Some(response.clone()));
+                }
+                answer_client(self, context_id, |_| send_stored(&response, false));
+            }
+            Owner::Etcd(id) => {
+                answer_client(self, context_id, |_| send_stored(&response, false));
+                etcd::end(self, *id, etcd::Ending::Complete(Some(response)));
+            }
+        }
+    }
+
+    fn queue_completion(&self, policy: usize, ticket: &Ticket, response: Option<StoredResponse>) {
+        let retention_ms = self.policy(policy).retention_s * 1000;
+        let now_ms = self.now_ms();
+        self.pending.borrow_mut().push(PendingWrite::Complete { ticket: *ticket, response, now_ms, retention_ms });
     }
 
     fn release_ticket(&self, ticket: &Ticket) {
         match self.table.release(ticket) {
             Ok(Finish::Done) => {
                 self.count(Counter::Released);
-                self.held(Held::of(State::InProgress, -1));
+                self.apply(&Change { in_progress: -1, ..Change::default() });
             }
             Ok(Finish::Lost) => self.count(Counter::OwnerLost),
             Err(e) => {
@@ -195,29 +269,32 @@ impl Vm {
         }
     }
 
-    fn complete_ticket(&self, policy: usize, ticket: &Ticket, response: Option<StoredResponse>) {
+    /// The first attempt at a completion; `false` when the store refused it (to be retried).
+    fn complete_ticket(&self, policy: usize, ticket: &Ticket, response: Option<&mut StoredResponse>) -> bool {
         let retention_ms = self.policy(policy).retention_s * 1000;
-        self.write_completion(*ticket, response, self.now_ms(), retention_ms, true);
+        self.write_completion(*ticket, response, self.now_ms(), retention_ms, true)
     }
 
-    /// One attempt at a completion; one the store refused is kept and retried from `on_tick`.
+    /// One attempt at a completion; `false` when the store refused it.
     fn write_completion(
         &self,
         ticket: Ticket,
-        response: Option<StoredResponse>,
+        response: Option<&mut StoredResponse>,
         now_ms: u64,
         retention_ms: u64,
         first_try: bool,
-    ) {
-        match self.table.complete(&ticket, response.as_ref(), now_ms, retention_ms) {
-            Ok(Finish::Done) => {
+    ) -> bool {
+        match self.table.complete(&ticket, response, now_ms, retention_ms) {
+            Ok(Completed::Stored(change)) => {
                 self.count(Counter::Completed);
-                if response.is_none() {
-                    self.count(Counter::ResponseNotStored);
-                }
-                self.held(Held::of(State::InProgress, -1).plus(Held::of(State::Completed, 1)));
+                self.apply(&change);
             }
-            Ok(Finish::Lost) => {
+            Ok(Completed::WithoutBody(change)) => {
+                self.count(Counter::Completed);
+                self.count(Counter::ResponseNotStored);
+                self.apply(&change);
+            }
+            Ok(Completed::Lost) => {
                 log::info!(
                     "slot {} was taken over before its owner finished; the late result is not stored",
                     ticket.slot
@@ -229,9 +306,10 @@ impl Vm {
                     log::warn!("completion failed ({e:?}); retrying from on_tick");
                     self.count(Counter::StoreError);
                 }
-                self.pending.borrow_mut().push(PendingWrite::Complete { ticket, response, now_ms, retention_ms });
+                return false;
             }
         }
+        true
     }
 
     /// Retries writes the store refused; keeps those that fail again.
@@ -240,8 +318,11 @@ impl Vm {
         for write in pending {
             match write {
                 PendingWrite::Release { ticket } => self.release_ticket(&ticket),
-                PendingWrite::Complete { ticket, response, now_ms, retention_ms } => {
-                    self.write_completion(ticket, response, now_ms, retention_ms, false)
+                PendingWrite::Complete { ticket, mut response, now_ms, retention_ms } => {
+                    if !self.write_completion(ticket, response.as_mut(), now_ms, retention_ms, false) {
+                        let retry = PendingWrite::Complete { ticket, response, now_ms, retention_ms };
+                        self.pending.borrow_mut().push(retry);
+                    }
                 }
             }
         }
@@ -284,12 +365,11 @@ pub fn is_hop_by_hop(name: &str) -> bool {
 
 /// Sends a stored or freshly received response on the current stream.
 pub fn send_stored(response: &StoredResponse, replayed: bool) {
-    let mut headers: Vec<(&str, &[u8])> =
-        response.headers.iter().filter(|(n, _)| !is_hop_by_hop(n)).map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+    let mut headers: Vec<(&str, &[u8])> = response.headers().filter(|(n, _)| !is_hop_by_hop(n)).collect();
     if replayed {
         headers.push(("idempotent-replayed", b"true"));
     }
-    if let Err(status) = host::send_response(response.status, &headers, &response.body) {
+    if let Err(status) = host::send_response(response.status(), &headers, response.body()) {
         log::warn!("local reply failed with status {status}");
     }
 }
@@ -310,12 +390,12 @@ pub fn judge(vm: &Vm, policy: &Policy, begin: Result<crate::engine::Begin, Store
         vm.count(counter);
     }
     match begin {
-        Ok(Begin::Claimed { ticket, takeover, evicted }) => {
+        Ok(Begin::Claimed { ticket, takeover, change }) => {
             vm.count(Counter::Claimed);
             if takeover {
                 vm.count(Counter::ExpiredTakeover);
             }
-            vm.held(Held::of(State::InProgress, 1).plus(Held::of(evicted, -1)));
+            vm.apply(&change);
             Verdict::Claimed(Owner::Table(ticket))
         }
         Ok(Begin::InProgress) => Verdict::InProgress,
@@ -359,7 +439,7 @@ pub fn describe(begin: &Result<crate::engine::Begin, StoreError>) -> String {
             format!("claimed slot {} gen {} (takeover: {takeover})", ticket.slot, ticket.gen)
         }
         Ok(Begin::InProgress) => "in progress".into(),
-        Ok(Begin::Replay(r)) => format!("replay of {}", r.status),
+        Ok(Begin::Replay(r)) => format!("replay of {}", r.status()),
         Ok(Begin::CompletedWithoutBody) => "completed without stored response: 409".into(),
         Ok(Begin::Mismatch) => "fingerprint mismatch: 422".into(),
         Ok(Begin::Full) => "store full: 503".into(),

@@ -11,8 +11,7 @@ use std::time::Duration;
 use super::http::Stream;
 use super::{answer_client, detached, etcd, host, wait, Owner, Vm};
 use crate::config::{Config, Forward, StoreConfig};
-use crate::engine::{Finish, Held, Layout, Table};
-use crate::metrics::Counter;
+use crate::engine::{Finish, Layout, Table};
 use crate::problem::Problem;
 
 /// Timer period: fast enough for renewal and retries; renewal itself is throttled. Wait mode
@@ -22,16 +21,20 @@ const WAIT_TICK: Duration = Duration::from_millis(20);
 /// Buckets swept per second and VM: a 1,024-bucket table is swept every 2.5 s per worker.
 const SWEEP_PER_SECOND: u64 = 400;
 
+/// How often a worker adds its evictions to the effective-retention window.
+const RETENTION_REPORT_MS: u64 = 1_000;
+
 pub struct Root {
     id: u32,
     vm: Option<Rc<Vm>>,
     sweep_cursor: u32,
     sweep_per_tick: u32,
+    next_retention_report_ms: u64,
 }
 
 impl Root {
     pub fn new(id: u32) -> Root {
-        Root { id, vm: None, sweep_cursor: 0, sweep_per_tick: 1 }
+        Root { id, vm: None, sweep_cursor: 0, sweep_per_tick: 1, next_retention_report_ms: 0 }
     }
 }
 
@@ -57,7 +60,8 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let table = Table::new(host::SharedData, Layout::new(&config.namespace, config.capacity));
+        let table =
+            Table::new(host::SharedData, Layout::new(&config.namespace, config.capacity, config.max_store_bytes));
         // The base VM runs this first, before any worker VM exists (SPEC §4): it creates the
         // table; workers find it and write nothing. The etcd store needs no table.
         let created = match config.store {
@@ -121,16 +125,14 @@ impl RootContext for Root {
         let buckets = vm.table.layout().buckets();
         for _ in 0..self.sweep_per_tick.min(buckets) {
             match vm.table.sweep(self.sweep_cursor, now) {
-                Ok(swept) => {
-                    vm.held(Held { in_progress: -swept.freed.in_progress, completed: -swept.freed.completed });
-                    // In-progress marks past their deadline: their owner is gone.
-                    for _ in 0..swept.freed.in_progress {
-                        vm.count(Counter::Expired);
-                    }
-                }
+                Ok(change) => vm.apply(&change),
                 Err(e) => log::debug!("sweep of bucket {} failed: {e:?}", self.sweep_cursor),
             }
             self.sweep_cursor = (self.sweep_cursor + 1) % buckets;
+        }
+        if now >= self.next_retention_report_ms {
+            self.next_retention_report_ms = now + RETENTION_REPORT_MS;
+            vm.report_retention(now);
         }
     }
 

@@ -8,6 +8,7 @@ use base64::Engine;
 use serde_json::{json, Value};
 
 pub const TXN_PATH: &str = "/v3/kv/txn";
+pub const RANGE_PATH: &str = "/v3/kv/range";
 pub const GRANT_PATH: &str = "/v3/lease/grant";
 pub const KEEPALIVE_PATH: &str = "/v3/lease/keepalive";
 
@@ -80,6 +81,11 @@ pub fn delete_if_value_txn(key: &[u8], value: &[u8]) -> Vec<u8> {
     .into_bytes()
 }
 
+/// Read one key (no write: it works while etcd refuses writes for lack of space).
+pub fn range_body(key: &[u8]) -> Vec<u8> {
+    json!({"key": b64(key)}).to_string().into_bytes()
+}
+
 pub fn grant_body(ttl_s: u64) -> Vec<u8> {
     json!({"TTL": ttl_s.to_string()}).to_string().into_bytes()
 }
@@ -91,16 +97,73 @@ pub fn keepalive_body(lease: i64) -> Vec<u8> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EtcdError {
     /// An HTTP status other than 200 (Envoy's 503/504 when etcd is down or slow, or etcd's
-    /// own error), with etcd's error code when the body has one.
-    Status { status: u16, code: Option<i64> },
+    /// own error), with etcd's error code and what its message says, when the body has them.
+    Status { status: u16, code: Option<i64>, kind: ErrorKind },
     /// The body is not what the gateway sends.
     Malformed(&'static str),
+}
+
+/// The etcd errors the plugin acts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// No answer from etcd itself: Envoy's 502/503/504 (down, unreachable, timed out), or
+    /// etcd unavailable (no leader). The store backs off.
+    Unreachable,
+    /// `etcdserver: mvcc: database space exceeded`: the quota alarm is on and every write is
+    /// refused until an operator frees space; reads and deletes still work.
+    NoSpace,
+    /// `etcdserver: request is too large`: the value is over `--max-request-bytes`.
+    TooLarge,
+    /// Any other error etcd answered (a lease that is gone: code 5).
+    Other,
 }
 
 impl EtcdError {
     /// etcd's gRPC code 5 (NotFound) on a put: the lease is gone.
     pub fn is_lease_not_found(&self) -> bool {
         matches!(self, EtcdError::Status { code: Some(5), .. })
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            EtcdError::Status { kind, .. } => *kind,
+            EtcdError::Malformed(_) => ErrorKind::Other,
+        }
+    }
+}
+
+/// Bounded, jittered, doubling delays after failures (SPEC §3.8: a store that fails is never
+/// hammered): `BACKOFF_MIN_MS`, twice that, … up to `BACKOFF_MAX_MS`, each drawn between half
+/// and all of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Backoff {
+    failures: u32,
+    next_ms: u64,
+}
+
+pub const BACKOFF_MIN_MS: u64 = 100;
+pub const BACKOFF_MAX_MS: u64 = 2_000;
+
+impl Backoff {
+    /// Whether a request may go now.
+    pub fn ready(&self, now_ms: u64) -> bool {
+        now_ms >= self.next_ms
+    }
+
+    pub fn failing(&self) -> bool {
+        self.failures > 0
+    }
+
+    /// A failure at `now`; `random` is any random number (the jitter).
+    pub fn fail(&mut self, now_ms: u64, random: u64) {
+        let ceiling = BACKOFF_MIN_MS.saturating_mul(1 << self.failures.min(16)).min(BACKOFF_MAX_MS);
+        let half = ceiling / 2;
+        self.next_ms = now_ms + half + random % (half + 1);
+        self.failures = self.failures.saturating_add(1);
+    }
+
+    pub fn succeed(&mut self) {
+        *self = Backoff::default();
     }
 }
 
@@ -133,9 +196,44 @@ fn body_json(status: u16, body: &[u8]) -> Result<Value, EtcdError> {
     let parsed: Option<Value> = serde_json::from_slice(body).ok();
     if status != 200 {
         let code = parsed.as_ref().and_then(|v| v.get("code")).and_then(int);
-        return Err(EtcdError::Status { status, code });
+        let says = |text: &str| {
+            let message = parsed.as_ref().and_then(|v| v.get("error").or_else(|| v.get("message")));
+            message.and_then(Value::as_str).is_some_and(|m| m.contains(text))
+        };
+        let kind = if says("database space exceeded") {
+            ErrorKind::NoSpace
+        } else if says("request is too large") {
+            ErrorKind::TooLarge
+        } else if parsed.is_none() && matches!(status, 0 | 502..=504) || code == Some(14) {
+            // Envoy's own answer (text), or etcd's Unavailable (14).
+            ErrorKind::Unreachable
+        } else {
+            ErrorKind::Other
+        };
+        return Err(EtcdError::Status { status, code, kind });
     }
     parsed.ok_or(EtcdError::Malformed("not JSON"))
+}
+
+/// Whether an answer says etcd was not reached (Envoy's own 502/503/504, etcd unavailable):
+/// the store backs off.
+pub fn is_unreachable(status: u16, body: &[u8]) -> bool {
+    status != 200 && matches!(body_json(status, body), Err(e) if e.kind() == ErrorKind::Unreachable)
+}
+
+/// The key a range read found, if any.
+pub fn parse_range(status: u16, body: &[u8]) -> Result<Option<Kv>, EtcdError> {
+    let v = body_json(status, body)?;
+    v.get("kvs").and_then(|k| k.get(0)).map(parse_kv).transpose()
+}
+
+fn parse_kv(kv: &Value) -> Result<Kv, EtcdError> {
+    let value = match kv.get("value").and_then(Value::as_str) {
+        Some(s) => B64.decode(s).map_err(|_| EtcdError::Malformed("value is not base64"))?,
+        None => Vec::new(),
+    };
+    let mod_revision = kv.get("mod_revision").and_then(int).ok_or(EtcdError::Malformed("no mod_revision"))?;
+    Ok(Kv { value, mod_revision })
 }
 
 pub fn parse_txn(status: u16, body: &[u8]) -> Result<TxnResult, EtcdError> {
@@ -155,18 +253,7 @@ pub fn parse_txn(status: u16, body: &[u8]) -> Result<TxnResult, EtcdError> {
             .and_then(|r| r.get("response_range"))
             .and_then(|r| r.get("kvs"))
             .and_then(|k| k.get(0));
-        match kv {
-            None => None,
-            Some(kv) => {
-                let value = match kv.get("value").and_then(Value::as_str) {
-                    Some(s) => B64.decode(s).map_err(|_| EtcdError::Malformed("value is not base64"))?,
-                    None => Vec::new(),
-                };
-                let mod_revision =
-                    kv.get("mod_revision").and_then(int).ok_or(EtcdError::Malformed("no mod_revision"))?;
-                Some(Kv { value, mod_revision })
-            }
-        }
+        kv.map(parse_kv).transpose()?
     };
     Ok(TxnResult { succeeded, revision, current })
 }
@@ -222,7 +309,15 @@ mod tests {
         let e = parse_txn(404, br#"{"error":"etcdserver: requested lease not found","code":5}"#).unwrap_err();
         assert!(e.is_lease_not_found());
         let e = parse_txn(503, b"upstream connect error").unwrap_err();
-        assert_eq!(e, EtcdError::Status { status: 503, code: None });
+        assert_eq!(e, EtcdError::Status { status: 503, code: None, kind: ErrorKind::Unreachable });
+        assert_eq!(parse_txn(504, b"upstream request timeout").unwrap_err().kind(), ErrorKind::Unreachable);
+        let full = br#"{"error":"etcdserver: mvcc: database space exceeded","code":8}"#;
+        assert_eq!(parse_txn(429, full).unwrap_err().kind(), ErrorKind::NoSpace);
+        let big = br#"{"error":"etcdserver: request is too large","code":3}"#;
+        assert_eq!(parse_txn(400, big).unwrap_err().kind(), ErrorKind::TooLarge);
+        let no_leader = br#"{"error":"etcdserver: no leader","code":14}"#;
+        assert_eq!(parse_txn(503, no_leader).unwrap_err().kind(), ErrorKind::Unreachable);
+        assert_eq!(parse_txn(404, br#"{"error":"lease not found","code":5}"#).unwrap_err().kind(), ErrorKind::Other);
         assert!(parse_txn(200, b"{}").is_err());
         assert!(parse_txn(
             200,
@@ -239,6 +334,37 @@ mod tests {
         );
         assert!(parse_keepalive(200, br#"{"result":{"header":{},"ID":"1","TTL":"9"}}"#).unwrap());
         assert!(!parse_keepalive(200, br#"{"result":{"header":{},"ID":"1"}}"#).unwrap());
+    }
+
+    #[test]
+    fn range_reads() {
+        let found =
+            br#"{"header":{"revision":"9"},"kvs":[{"key":"aw==","mod_revision":"7","value":"aGk="}],"count":"1"}"#;
+        assert_eq!(parse_range(200, found).unwrap(), Some(Kv { value: b"hi".to_vec(), mod_revision: 7 }));
+        assert_eq!(parse_range(200, br#"{"header":{"revision":"9"}}"#).unwrap(), None);
+        assert!(parse_range(503, b"down").is_err());
+        let body: Value = serde_json::from_slice(&range_body(b"/ns/k")).unwrap();
+        assert_eq!(body["key"], "L25zL2s=");
+    }
+
+    #[test]
+    fn backoff_doubles_with_jitter_up_to_its_bound_and_resets() {
+        let mut b = Backoff::default();
+        assert!(b.ready(0) && !b.failing());
+        let mut now = 1_000;
+        let mut waits = Vec::new();
+        for i in 0..8 {
+            b.fail(now, i * 7919);
+            let wait = (0..).map(|d| now + d).find(|t| b.ready(*t)).unwrap() - now;
+            waits.push(wait);
+            now += wait;
+        }
+        assert!((50..=100).contains(&waits[0]), "{waits:?}");
+        assert!((100..=200).contains(&waits[1]), "{waits:?}");
+        assert!(waits.iter().all(|w| *w <= BACKOFF_MAX_MS), "{waits:?}");
+        assert!(waits[7] >= BACKOFF_MAX_MS / 2, "{waits:?}");
+        b.succeed();
+        assert!(b.ready(now) && !b.failing());
     }
 
     #[test]
