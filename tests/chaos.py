@@ -62,7 +62,7 @@ if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 
 import harness  # noqa: E402
-from harness import Envoy, Upstream, abandon, request, static_cluster, wait_until  # noqa: E402
+from harness import CALLER, Envoy, Upstream, abandon, request, static_cluster, wait_until  # noqa: E402
 
 HOST = "chaos.example"
 PATH = "/payments"
@@ -78,9 +78,10 @@ VM_FAILURE_LOG = re.compile(
 # --- store keys (src/key.rs StoreKey::derive, src/store/etcd.rs key_name) -------------------
 
 
-def store_key(key, authority=HOST, scopes=(None,), namespace=NAMESPACE):
+def store_key(key, authority=HOST, scopes=(CALLER[1],), namespace=NAMESPACE):
     """The plugin's store key: SHA-256 over length-prefixed fields (u64 LE length + bytes):
-    namespace, :authority, each scope value (absent = b"\\x00absent"), the client's key."""
+    namespace, :authority, each scope value (absent = b"\\x00absent"), the client's key. The
+    default scope is the `authorization` every test request carries (harness.CALLER)."""
     h = hashlib.sha256()
 
     def field_(data):
@@ -312,7 +313,7 @@ def body_for(key):
 
 
 def base_headers(key):
-    return [("Host", HOST), ("content-type", "application/json"), ("Idempotency-Key", key)]
+    return [("Host", HOST), CALLER, ("content-type", "application/json"), ("Idempotency-Key", key)]
 
 
 def problem_slug(resp):

@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 
-from harness import request
+from harness import CALLER, request
 
 PROBLEM_PREFIX = "urn:idempotency-filter:problem:"
 IN_PROGRESS_TITLE = "A request is outstanding for this Idempotency-Key"
@@ -32,13 +32,16 @@ HOST = "localhost"
 
 
 def key_headers(key, extra=None, content_type="application/json"):
-    """Host, content-type, the key header (none if key is None), then `extra` (a dict)."""
+    """Host, the caller (unless `extra` names one), content-type, the key header (none if key
+    is None), then `extra` (a dict; a None value sends no such header)."""
     headers = [("Host", HOST)]
+    if not any(name.lower() == "authorization" for name in (extra or {})):
+        headers.append(CALLER)
     if content_type is not None:
         headers.append(("content-type", content_type))
     if key is not None:
         headers.append(("Idempotency-Key", key))
-    headers.extend((extra or {}).items())
+    headers.extend((n, v) for n, v in (extra or {}).items() if v is not None)
     return headers
 
 

@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.request
 
 from harness import free_port, wait_until
@@ -18,9 +17,10 @@ def etcd_binary():
 class Etcd:
     """One etcd member on 127.0.0.1; stop() and start() keep its data and ports."""
 
-    def __init__(self):
+    def __init__(self, extra_args=()):
         self.tmp = tempfile.mkdtemp(prefix="idem-etcd-")
         self.port, self.peer_port = free_port(), free_port()
+        self.extra_args = list(extra_args)
         self.proc = None
         self.start()
 
@@ -32,7 +32,8 @@ class Etcd:
             [etcd_binary(), "--name", "t", "--data-dir", os.path.join(self.tmp, "data"),
              "--listen-client-urls", url, "--advertise-client-urls", url,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"t={peer}", "--logger", "zap", "--log-outputs", "stderr"],
+             "--initial-cluster", f"t={peer}", "--logger", "zap", "--log-outputs", "stderr",
+             *self.extra_args],
             stdout=self.log, stderr=self.log)
         wait_until(self.healthy, timeout=20, message="etcd healthy")
         return self

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 LOCALHOST = "127.0.0.1"
+# The caller every test request speaks for. Keys are scoped by `authorization` by default, and
+# a request without it passes through unprotected (missing_scope "pass", SPEC §3.1).
+CALLER = ("Authorization", "Bearer e2e-caller")
 
 # Envoy compiles the wasm module at start; V8 on 2 busy cores can take a few seconds.
 ENVOY_START_TIMEOUT_S = float(os.environ.get("IDEM_ENVOY_START_TIMEOUT", "30"))
@@ -341,6 +344,10 @@ class Upstream:
 
     def reset(self):
         self._admin("POST", "/__reset")
+
+    def release(self, hold):
+        """Lets the requests sent with `x-hold: <hold>` answer (now and later)."""
+        self._admin("POST", "/__release?hold=" + urllib.parse.quote(hold))
 
     def stop(self):
         if self.proc.poll() is None:

@@ -20,26 +20,28 @@ PORT="${PORT:-10000}"
 URL="http://${HOST}:${PORT}/payments"
 SUFFIX="${KEY_SUFFIX:-$$-$(date +%s)}"
 KEY="ietf-${SUFFIX}"
+# Keys are scoped to the caller (scope_headers: ["authorization"] by default).
+AUTH="Authorization: Bearer alice"
 
 echo "### 1. Idempotency-Key missing: 400"
-echo "\$ curl -si -X POST $URL -H 'Content-Type: application/json' -d '{\"amount\": 10}'"
-curl -si --max-time 10 -X POST "$URL" -H 'Content-Type: application/json' -d '{"amount": 10}'
+echo "\$ curl -si -X POST $URL -H '$AUTH' -H 'Content-Type: application/json' -d '{\"amount\": 10}'"
+curl -si --max-time 10 -X POST "$URL" -H "$AUTH" -H 'Content-Type: application/json' -d '{"amount": 10}'
 echo; echo
 
 echo "### 2. A request is outstanding for this Idempotency-Key: 409"
-echo "\$ curl -s -o /dev/null -X POST $URL -H 'Idempotency-Key: $KEY' -H 'x-delay-ms: 2000' -H 'Content-Type: application/json' -d '{\"amount\": 10}' &"
-curl -s -o /dev/null --max-time 20 -X POST "$URL" -H "Idempotency-Key: $KEY" \
+echo "\$ curl -s -o /dev/null -X POST $URL -H '$AUTH' -H 'Idempotency-Key: $KEY' -H 'x-delay-ms: 2000' -H 'Content-Type: application/json' -d '{\"amount\": 10}' &"
+curl -s -o /dev/null --max-time 20 -X POST "$URL" -H "$AUTH" -H "Idempotency-Key: $KEY" \
      -H 'x-delay-ms: 2000' -H 'Content-Type: application/json' -d '{"amount": 10}' &
 first=$!
 sleep 0.5
-echo "\$ curl -si -X POST $URL -H 'Idempotency-Key: $KEY' -H 'x-delay-ms: 2000' -H 'Content-Type: application/json' -d '{\"amount\": 10}'"
-curl -si --max-time 10 -X POST "$URL" -H "Idempotency-Key: $KEY" \
+echo "\$ curl -si -X POST $URL -H '$AUTH' -H 'Idempotency-Key: $KEY' -H 'x-delay-ms: 2000' -H 'Content-Type: application/json' -d '{\"amount\": 10}'"
+curl -si --max-time 10 -X POST "$URL" -H "$AUTH" -H "Idempotency-Key: $KEY" \
      -H 'x-delay-ms: 2000' -H 'Content-Type: application/json' -d '{"amount": 10}'
 echo; echo
 wait "$first"
 
 echo "### 3. Idempotency-Key reused with another payload: 422"
-echo "\$ curl -si -X POST $URL -H 'Idempotency-Key: $KEY' -H 'Content-Type: application/json' -d '{\"amount\": 99}'"
-curl -si --max-time 10 -X POST "$URL" -H "Idempotency-Key: $KEY" \
+echo "\$ curl -si -X POST $URL -H '$AUTH' -H 'Idempotency-Key: $KEY' -H 'Content-Type: application/json' -d '{\"amount\": 99}'"
+curl -si --max-time 10 -X POST "$URL" -H "$AUTH" -H "Idempotency-Key: $KEY" \
      -H 'Content-Type: application/json' -d '{"amount": 99}'
 echo

@@ -8,7 +8,7 @@
 #![cfg(not(target_family = "wasm"))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)] // test code
 
-use idempotency::engine::{Begin, Finish, Layout, Table, Ticket};
+use idempotency::engine::{Begin, Completed, Finish, Layout, Table, Ticket};
 use idempotency::entry::StoredResponse;
 use idempotency::fingerprint::Fingerprint;
 use idempotency::key::StoreKey;
@@ -55,7 +55,7 @@ const RETENTION: u64 = 1_000;
 
 fn new_table() -> Arc<Table<LoomKv>> {
     let kv = LoomKv { inner: Mutex::new((HashMap::new(), 0)) };
-    let table = Table::new(kv, Layout::new("m", 1));
+    let table = Table::new(kv, Layout::new("m", 1, 1 << 20));
     table.create().unwrap();
     Arc::new(table)
 }
@@ -65,7 +65,16 @@ fn key() -> StoreKey {
 }
 
 fn body(name: &str) -> StoredResponse {
-    StoredResponse { status: 201, headers: vec![], body: name.as_bytes().to_vec() }
+    StoredResponse::new(201, [], name.as_bytes().to_vec())
+}
+
+/// Completes with `name`'s response: whether it was stored.
+fn complete(t: &Table<LoomKv>, ticket: &Ticket, name: &str, now: u64) -> bool {
+    match t.complete(ticket, Some(&mut body(name)), now, RETENTION).unwrap() {
+        Completed::Stored(_) => true,
+        Completed::Lost => false,
+        other => panic!("{other:?}"),
+    }
 }
 
 fn claim(t: &Table<LoomKv>, now: u64) -> Option<Ticket> {
@@ -94,26 +103,26 @@ fn late_owner_takeover_and_observer() {
             thread::spawn(move || {
                 let ticket = claim(&t, 0)?;
                 // Finishes at 20: its mark (deadline 10) may have been taken over.
-                Some(t.complete(&ticket, Some(&body("A")), 20, RETENTION).unwrap())
+                Some(complete(&t, &ticket, "A", 20))
             })
         };
         let b = {
             let t = t.clone();
             thread::spawn(move || {
                 let ticket = claim(&t, 15)?;
-                Some(t.complete(&ticket, Some(&body("B")), 16, RETENTION).unwrap())
+                Some(complete(&t, &ticket, "B", 16))
             })
         };
         let c = {
             let t = t.clone();
             thread::spawn(move || match t.begin(&key(), &Fingerprint::default(), 17, LEASE).unwrap() {
-                Begin::Replay(r) => Some(r.body),
+                Begin::Replay(r) => Some(r.body().to_vec()),
                 _ => None,
             })
         };
         let (a, b, seen) = (a.join().unwrap(), b.join().unwrap(), c.join().unwrap());
         let winners: Vec<&str> =
-            [(a, "A"), (b, "B")].iter().filter(|(r, _)| *r == Some(Finish::Done)).map(|(_, n)| *n).collect();
+            [(a, "A"), (b, "B")].iter().filter(|(r, _)| *r == Some(true)).map(|(_, n)| *n).collect();
         assert!(winners.len() <= 1, "two owners completed: {winners:?}");
         let last = t.begin(&key(), &Fingerprint::default(), 18, LEASE).unwrap();
         match winners.first() {
@@ -139,7 +148,7 @@ fn renewal_against_takeover() {
             thread::spawn(move || {
                 let ticket = claim(&t, 0)?;
                 let renewed = t.renew(&ticket, 8, LEASE).unwrap(); // deadline 18 if in time
-                let done = t.complete(&ticket, Some(&body("A")), 16, RETENTION).unwrap();
+                let done = complete(&t, &ticket, "A", 16);
                 Some((renewed, done))
             })
         };
@@ -147,17 +156,29 @@ fn renewal_against_takeover() {
             let t = t.clone();
             thread::spawn(move || {
                 let ticket = claim(&t, 12)?; // after A's first deadline, before its renewed one
-                Some(t.complete(&ticket, Some(&body("B")), 13, RETENTION).unwrap())
+                Some(complete(&t, &ticket, "B", 13))
             })
         };
         let (a, b) = (a.join().unwrap(), b.join().unwrap());
-        if let Some((Finish::Done, _)) = a {
-            // A renewed before B looked (B's claim at 12 < 18 would have been refused) or
-            // B claimed first (then A never claimed). Either way, no double completion.
-            assert!(!(a.map(|x| x.1) == Some(Finish::Done) && b == Some(Finish::Done)));
+        let last = t.begin(&key(), &Fingerprint::default(), 14, LEASE).unwrap();
+        match (a, b) {
+            // B took the expired mark over: A's renewal and completion change nothing.
+            (Some(a), Some(b)) => {
+                assert_eq!(a, (Finish::Lost, false), "the taken-over owner still acted");
+                assert!(b, "the new owner could not complete");
+                assert_eq!(last, Begin::Replay(body("B")));
+            }
+            // A renewed in time (B met its mark), or B claimed first (A met B's): one owner.
+            (Some(a), None) => {
+                assert_eq!(a, (Finish::Done, true));
+                assert_eq!(last, Begin::Replay(body("A")));
+            }
+            (None, Some(b)) => {
+                assert!(b);
+                assert_eq!(last, Begin::Replay(body("B")));
+            }
+            (None, None) => panic!("nobody got the key"),
         }
-        let completed = [a.map(|x| x.1), b].iter().filter(|r| **r == Some(Finish::Done)).count();
-        assert!(completed <= 1);
     });
 }
 
@@ -171,7 +192,7 @@ fn release_then_two_retries() {
             thread::spawn(move || {
                 let ticket = claim(&t, 0)?;
                 assert_eq!(t.release(&ticket).unwrap(), Finish::Done);
-                Some(t.complete(&ticket, Some(&body("A")), 1, RETENTION).unwrap())
+                Some(complete(&t, &ticket, "A", 1))
             })
         };
         let retries: Vec<_> = ["B", "C"]
@@ -180,16 +201,16 @@ fn release_then_two_retries() {
                 let t = t.clone();
                 thread::spawn(move || {
                     let ticket = claim(&t, 2)?;
-                    Some((name, t.complete(&ticket, Some(&body(name)), 3, RETENTION).unwrap()))
+                    Some((name, complete(&t, &ticket, name, 3)))
                 })
             })
             .collect();
-        assert_ne!(a.join().unwrap(), Some(Finish::Done), "completed after its own release");
+        assert_ne!(a.join().unwrap(), Some(true), "completed after its own release");
         let claimed: Vec<_> = retries.into_iter().filter_map(|h| h.join().unwrap()).collect();
         // A holds the key from 0 until its release: both retries may find it in progress, but
         // two retries can never both own it.
         assert!(claimed.len() <= 1, "two owners at once: {claimed:?}");
-        if let Some((name, Finish::Done)) = claimed.first() {
+        if let Some((name, true)) = claimed.first() {
             assert_eq!(t.begin(&key(), &Fingerprint::default(), 4, LEASE).unwrap(), Begin::Replay(body(name)));
         }
     });

@@ -150,7 +150,8 @@ def fetch_from_upstream(upstream, key, size):
 
 @pytest.mark.parametrize("forward", ["router", "detached"])
 def test_response_shapes_reach_the_client_intact(upstream, start, forward):
-    envoy = start(forward=forward)
+    # 16 buckets of 4 MiB: responses up to 1 MiB are stored (the default, fitted to them).
+    envoy = start({"capacity": 1024, "max_store_bytes": 64 << 20}, forward=forward)
     cookie_key, mid_key, big_key = new_key("cookie"), new_key("mid"), new_key("big")
     mid_size, big_size = 256 * 1024, 4 * 1024 * 1024
     mid_extra = {"x-body-bytes": str(mid_size)}

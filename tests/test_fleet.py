@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from etcd_util import Etcd
-from harness import Envoy, free_port, request, run_concurrently, static_cluster, wait_until
+from harness import CALLER, Envoy, free_port, request, run_concurrently, static_cluster, wait_until
 
 HOST = "api.example"
 
@@ -40,7 +40,7 @@ def start_pair(upstream, etcd, **config):
 
 
 def post(envoy, key, timeout=10, **headers):
-    h = {"Idempotency-Key": key, "Host": HOST, "content-type": "application/json"}
+    h = {"Idempotency-Key": key, "Host": HOST, "content-type": "application/json", CALLER[0]: CALLER[1]}
     h.update({k.replace("_", "-"): str(v) for k, v in headers.items()})
     return request(envoy.port, "POST", "/payments", h, b'{"amount":10}', timeout=timeout)
 
@@ -150,8 +150,12 @@ def test_etcd_down_then_back(wasm, upstream, etcd, on_unavailable):
         assert a.stat("wasmcustom.idempotency.store_error") >= 1
         etcd.start()
         key = uuid.uuid4().hex
-        # Normal behaviour resumes without restarting Envoy.
-        wait_until(lambda: post(a, f"probe-{uuid.uuid4().hex}").status == 201, timeout=15, message="recovery")
+        # Normal behaviour resumes without restarting Envoy: once its backoff lets a probe
+        # through (at most 2 s after etcd is back), each replica claims again.
+        def protected(envoy):
+            probe = f"probe-{uuid.uuid4().hex}"
+            return post(envoy, probe).status == 201 and post(envoy, probe).header("idempotent-replayed")
+        wait_until(lambda: protected(a) and protected(b), timeout=15, message="recovery")
         first = post(a, key)
         assert first.status == 201
         replay = retry_until_final(b, key)

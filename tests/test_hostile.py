@@ -26,7 +26,7 @@ import pytest
 from chaos import (ChaosUpstream, active_vms, etcd_key, log_tags, plugin_counters,
                    vm_failure_lines, vm_failure_stats)
 from e2e_util import raw_exchange_bytes
-from harness import raw_request_bytes, request, static_cluster
+from harness import CALLER, raw_request_bytes, request, static_cluster
 
 HOST = "hostile.example"
 BODY = b'{"amount":1}'
@@ -41,7 +41,8 @@ def new_key(tag):
 
 
 def headers_for(key, extra=()):
-    return [("Host", HOST), ("content-type", "application/json"), ("Idempotency-Key", key),
+    caller = [] if any(n.lower() == "authorization" for n, _ in extra) else [CALLER]
+    return [("Host", HOST), *caller, ("content-type", "application/json"), ("Idempotency-Key", key),
             *extra]
 
 
@@ -55,7 +56,8 @@ def raw_post(envoy, header_lines, body=BODY):
     and returns (status or None, headers {lower name: value}, body). None: Envoy closed the
     connection without an answer. Connection: close, so the read ends with the answer."""
     head = [b"POST /payments HTTP/1.1", b"Host: " + HOST.encode(),
-            b"content-type: application/json", b"Connection: close"]
+            f"{CALLER[0]}: {CALLER[1]}".encode(), b"content-type: application/json",
+            b"Connection: close"]
     head += header_lines
     head.append(b"Content-Length: %d" % len(body))
     data = b"\r\n".join(head) + b"\r\n\r\n" + body
@@ -309,11 +311,11 @@ def test_100_headers(upstream, start):
     replay ignores their order), past it Envoy refuses the request itself (431)."""
     envoy, health = start()
     key = new_key("many")
-    base = 4  # Host, content-type, Idempotency-Key, Content-Length
+    base = 5  # Host, Authorization, content-type, Idempotency-Key, Content-Length
     extra = [(f"x-h-{i:03d}", f"value-{i}-" + "v" * 200) for i in range(100 - base)]
     first = post(envoy, key, extra=extra)
     shuffled = post(envoy, key, extra=list(reversed(extra)))
-    repeated = post(envoy, new_key("same"), extra=[("x-same", str(i)) for i in range(96)])
+    repeated = post(envoy, new_key("same"), extra=[("x-same", str(i)) for i in range(95)])
     assert len(headers_for(key, extra)) + 1 == 100  # with Content-Length
     scopes = [("authorization", f"Bearer t{i}") for i in range(96)]
     scoped = post(envoy, new_key("scope"), extra=scopes)
@@ -436,19 +438,23 @@ def etcd_put(etcd, name, value):
     etcd.call("/v3/kv/put", {"key": b64(name.encode()), "value": b64(value)})
 
 
-WAY = 1 + 8 + 16 + 16 + 8  # src/entry.rs: state, gen, key tag, fingerprint, deadline
+WAY = 1 + 8 + 16 + 16 + 8 + 8 + 4  # src/entry.rs: state, gen, tag, fingerprint, deadline, since, bytes
 RESPONSE_AT = 2 + WAY  # after the entry's magic and way
+FOOTER = 2 + 2 + 4 + 4 + 8 + 16 + 2  # status, count, headers length, body length, gen, key, magic
 
 
 def mutations(real, body):
     """Values the plugin cannot read, most derived from a real completed entry whose stored
-    response body is `body` (src/entry.rs: the body comes last, after its u32 length)."""
-    status_at = RESPONSE_AT + 2 + 8 + 16
-    count_at = status_at + 2
-    first_name_len_at = count_at + 2
-    body_len_at = len(real) - len(body) - 4
-    assert real[:2] == b"E\x01" and real[RESPONSE_AT:RESPONSE_AT + 2] == b"R\x01", real[:4]
-    assert real.endswith(body) and real[body_len_at:body_len_at + 4] == struct.pack("<I", len(body))
+    response body is `body` (src/entry.rs: the response is body, headers, then a footer)."""
+    footer_at = len(real) - FOOTER
+    count_at = footer_at + 2
+    headers_len_at = footer_at + 4
+    body_len_at = footer_at + 8
+    stamp_at = footer_at + 12
+    first_name_len_at = RESPONSE_AT + len(body)
+    assert real[:2] == b"E\x02" and real.endswith(b"R\x02"), (real[:4], real[-2:])
+    assert real[RESPONSE_AT:].startswith(body)
+    assert real[body_len_at:body_len_at + 4] == struct.pack("<I", len(body))
 
     def patch(at, packed):
         return real[:at] + packed + real[at + len(packed):]
@@ -457,16 +463,19 @@ def mutations(real, body):
         "text": b"this is not an entry",
         "empty": b"",
         "json": b'{"state":"completed","status":201}',
-        "magic_only": b"E\x01",
+        "magic_only": b"E\x02",
+        "old_format": b"E\x01" + real[2:],
         "truncated_way": real[:RESPONSE_AT - 1],
         "truncated_by_one": real[:-1],
         "one_byte_more": real + b"\x00",
         "state_7": patch(2, b"\x07"),
         "completed_without_response": patch(2, b"\x02")[:RESPONSE_AT],
         "in_progress_with_response": patch(2, b"\x01"),
-        "wrong_response_magic": patch(RESPONSE_AT, b"X\x01"),
-        "stamp_gen_differs": patch(RESPONSE_AT + 2, struct.pack("<Q", 0xDEADBEEF)),
+        "wrong_response_magic": patch(len(real) - 2, b"X\x02"),
+        "stamp_gen_differs": patch(stamp_at, struct.pack("<Q", 0xDEADBEEF)),
         "header_count_65535": patch(count_at, struct.pack("<H", 0xFFFF)),
+        "headers_length_off_by_one": patch(headers_len_at, struct.pack(
+            "<I", struct.unpack("<I", real[headers_len_at:headers_len_at + 4])[0] + 1)),
         "name_len_65535": patch(first_name_len_at, struct.pack("<H", 0xFFFF)),
         "body_len_4G": patch(body_len_at, struct.pack("<I", 0xFFFFFFFF)),
         "random_64": bytes(uuid.uuid4().bytes * 4),
@@ -515,9 +524,9 @@ def test_foreign_values_planted_in_etcd_get_503(upstream, make_envoy, wasm, etcd
 
 
 def test_entry_of_another_key_planted_in_etcd(upstream, make_envoy, wasm, etcd):
-    """A well-formed entry copied from key A to key B's etcd key. It carries A's key tag; the
-    plugin may refuse it (503) or, if it does not compare tags, treat it as B's. Either way
-    Envoy keeps serving; what happens is printed (see the report)."""
+    """A well-formed entry copied from key A to key B's etcd key. It carries A's key tag: the
+    plugin refuses it with the 503 problem and leaves the value alone. B never gets A's
+    answer (SPEC §3.1)."""
     config = {"forward": "detached", "store": {"kind": "etcd", "cluster": "etcd"}}
     envoy = make_envoy(config, upstream.port, extra_clusters=[static_cluster("etcd", etcd.port)])
     health = Health(envoy, upstream)
@@ -537,5 +546,7 @@ def test_entry_of_another_key_planted_in_etcd(upstream, make_envoy, wasm, etcd):
           f"(store key tags: a {log_tags(a, authority=HOST)[0]}, "
           f"b {log_tags(b, authority=HOST)[0]})")
     assert upstream.effects(b) == 0
-    assert got.status in (503, 201), got.body
+    assert_problem(got, 503, "store-unavailable", True)
+    assert got.body != first.body and got.header("idempotent-replayed") is None
+    assert etcd_get(etcd, etcd_key(b, authority=HOST)) == value, "the plugin overwrote it"
     health.check("entry of another key")

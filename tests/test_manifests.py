@@ -20,6 +20,7 @@ import yaml
 
 import harness
 from harness import REPO_ROOT, request, validate_config, wait_until
+from jwt_util import istio_jwt_authn_filter, make_jwt
 
 ENVOY_DIR = os.path.join(REPO_ROOT, "envoy")
 ISTIO_DIR = os.path.join(ENVOY_DIR, "istio")
@@ -503,8 +504,9 @@ def test_envoyfilter_serves_the_plugin_over_ecds(wasm, upstream, envoyfilter, tm
     del source["ads"]
     source["path_config_source"] = {"path": str(ecds)}
     port, admin_port = harness.free_port(), harness.free_port()
+    # As in a gateway: Istio's jwt_authn (RequestAuthentication) before the plugin.
     bootstrap = harness.envoy_config(port, admin_port, upstream.port, None, with_plugin=False,
-                                     extra_filters=[flt])
+                                     extra_filters=[istio_jwt_authn_filter(), flt])
     bootstrap["node"] = {"id": "gateway", "cluster": "gateway"}  # required by ECDS
     config_path = tmp_path / "envoy.yaml"
     config_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
@@ -523,7 +525,8 @@ def test_envoyfilter_serves_the_plugin_over_ecds(wasm, upstream, envoyfilter, tm
             except OSError:
                 return False
         wait_until(ready, harness.ENVOY_START_TIMEOUT_S, 0.05, "envoy ready")
-        headers = {"Idempotency-Key": "gw-1", "content-type": "application/json"}
+        headers = {"Idempotency-Key": "gw-1", "content-type": "application/json",
+                   "authorization": f"Bearer {make_jwt('alice')}"}
         first = request(port, "POST", "/payments", headers, b'{"amount": 1}', timeout=10)
         again = request(port, "POST", "/payments", headers, b'{"amount": 1}', timeout=10)
         stats = request(admin_port, "GET", "/stats?filter=extension_config_discovery").text

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from harness import request, wait_until
+from harness import CALLER, request, wait_until
 
 NAMES = ["claimed", "replayed", "conflict", "waited", "released", "completed", "expired_takeover", "expired",
          "fingerprint_mismatch", "missing_key", "invalid_key", "too_large", "response_not_stored",
@@ -25,7 +25,7 @@ def gauges(envoy):
 
 
 def post(port, key=None, body=b'{"a":1}', **headers):
-    h = {"content-type": "application/json"}
+    h = {"content-type": "application/json", CALLER[0]: CALLER[1]}
     if key is not None:
         h["Idempotency-Key"] = key
     h.update({k.replace("_", "-"): str(v) for k, v in headers.items()})
@@ -113,7 +113,8 @@ def test_takeover_and_upstream_failure_are_counted(wasm, upstream, make_envoy):
     key = uuid.uuid4().hex
     # The same Host on both requests: the store key includes it.
     abandon(envoy.port, "POST", "/pay", {"Host": "api", "Idempotency-Key": key, "x-delay-ms": "3000",
-                                         "content-type": "application/json"}, b"{}", after_s=0.2)
+                                         "content-type": "application/json", CALLER[0]: CALLER[1]},
+            b"{}", after_s=0.2)
     time.sleep(1.6)
     assert post(envoy.port, key, body=b"{}", Host="api").status == 201
     # The retry took the expired mark over, or the timer's sweep had freed it first.

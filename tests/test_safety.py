@@ -5,10 +5,8 @@ and the IETF draft's three error examples.
 Each test runs a fresh Envoy (exact counters) against a fresh effect-counting upstream.
 """
 
-import base64
 import contextlib
 import hashlib
-import hmac
 import http.client
 import json
 import os
@@ -27,6 +25,7 @@ import harness
 from e2e_util import (assert_replay_of, describe, is_replay, new_key, plugin_counters, post,
                       problem)
 from harness import request, run_concurrently, wait_until, wasm_filter
+from jwt_util import jwt_authn_filter, make_jwt
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 BODY = b'{"amount":1}'
@@ -100,8 +99,8 @@ def test_header_order_and_other_headers_do_not_change_the_fingerprint(upstream, 
     envoy = start(forward=forward)
     key = new_key("order")
     first_headers = [("Content-Type", "application/json"), ("Idempotency-Key", key),
-                     ("X-Trace", "trace-a"), ("Accept", "*/*")]
-    retry_headers = [("Accept", "application/json"), ("X-Trace", "trace-b"),
+                     ("X-Trace", "trace-a"), ("Accept", "*/*"), harness.CALLER]
+    retry_headers = [harness.CALLER, ("Accept", "application/json"), ("X-Trace", "trace-b"),
                      ("X-Extra", "1"), ("Idempotency-Key", key),
                      ("content-type", "application/json")]
 
@@ -109,7 +108,8 @@ def test_header_order_and_other_headers_do_not_change_the_fingerprint(upstream, 
     retry = request(envoy.port, "POST", "/payments", retry_headers, BODY)
     # Control: a fingerprinted header (content-type) that differs is another request.
     other_type = request(envoy.port, "POST", "/payments",
-                         [("Idempotency-Key", key), ("Content-Type", "text/plain")], BODY)
+                         [("Idempotency-Key", key), ("Content-Type", "text/plain"), harness.CALLER],
+                         BODY)
 
     assert_original(first, key, 1)
     assert_replay_of(retry, first)
@@ -305,41 +305,7 @@ def test_rfc8941_string_keys(upstream, start, forward):
 # --- 8. JWT claim scope -----------------------------------------------------------------------------
 
 
-JWT_SECRET = b"idempotency-test-secret-0123456789abcdef"
 JWT_ISSUER = "https://issuer.test"
-
-
-def b64url(data):
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def make_jwt(sub, secret=JWT_SECRET, **claims):
-    header = {"alg": "HS256", "typ": "JWT", "kid": "k1"}
-    now = int(time.time())
-    payload = {"iss": JWT_ISSUER, "sub": sub, "iat": now, "exp": now + 3600,
-               "jti": uuid.uuid4().hex, **claims}
-    signing_input = (b64url(json.dumps(header, separators=(",", ":")).encode()) + "." +
-                     b64url(json.dumps(payload, separators=(",", ":")).encode()))
-    sig = hmac.new(secret, signing_input.encode(), hashlib.sha256).digest()
-    return signing_input + "." + b64url(sig)
-
-
-def jwt_authn_filter(payload_name="jwt_payload"):
-    jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1", "k": b64url(JWT_SECRET)}]}
-    return {
-        "name": "envoy.filters.http.jwt_authn",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3."
-                     "JwtAuthentication",
-            "providers": {"test": {
-                "issuer": JWT_ISSUER,
-                "forward": True,
-                "payload_in_metadata": payload_name,
-                "local_jwks": {"inline_string": json.dumps(jwks)},
-            }},
-            "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": "test"}}],
-        },
-    }
 
 
 @pytest.mark.parametrize("forward", FORWARDS)
@@ -349,21 +315,21 @@ def test_jwt_claim_scope(upstream, make_envoy, wasm, forward):
     # jwt_authn must run before the plugin: with_plugin=False and both as "extra" filters
     # (placed, in order, before the router).
     envoy = make_envoy(plugin_config, upstream.port, with_plugin=False,
-                       extra_filters=[jwt_authn_filter(), wasm_filter(plugin_config)])
+                       extra_filters=[jwt_authn_filter(JWT_ISSUER), wasm_filter(plugin_config)])
     key = new_key("jwt")
 
     def send(token):
         return post(envoy.port, key, extra={"authorization": f"Bearer {token}"})
 
-    alice1, bob1 = make_jwt("alice"), make_jwt("bob")
+    alice1, bob1 = make_jwt("alice", JWT_ISSUER), make_jwt("bob", JWT_ISSUER)
     a1 = send(alice1)
     b1 = send(bob1)
     time.sleep(1.1)  # a refreshed token: another iat (seconds) and jti
-    alice2, bob2 = make_jwt("alice"), make_jwt("bob")
+    alice2, bob2 = make_jwt("alice", JWT_ISSUER), make_jwt("bob", JWT_ISSUER)
     assert alice2 != alice1 and bob2 != bob1
     a2 = send(alice2)
     b2 = send(bob2)
-    unsigned = send(make_jwt("alice", secret=b"wrong-secret-wrong-secret-wrong!!"))
+    unsigned = send(make_jwt("alice", JWT_ISSUER, secret=b"wrong-secret-wrong-secret-wrong!!"))
     anonymous = post(envoy.port, key)
 
     assert_original(a1, key, 1)

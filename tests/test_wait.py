@@ -15,7 +15,7 @@ import pytest
 
 from e2e_util import (assert_in_progress, assert_not_stored, assert_replay_of, describe,
                       is_replay, new_key, plugin_counters, post)
-from harness import abandon, run_concurrently, wait_until
+from harness import CALLER, abandon, run_concurrently, wait_until
 
 BODY = b'{"amount":1}'
 FORWARDS = ["router", "detached"]
@@ -163,7 +163,7 @@ def test_waiters_that_disconnect(upstream, start, forward):
     envoy = start({"on_conflict": "wait"}, forward)
     key = new_key("wgone")
     headers = [("content-type", "application/json"), ("Idempotency-Key", key),
-               ("x-delay-ms", "1500")]
+               ("x-delay-ms", "1500"), CALLER]
 
     with ThreadPoolExecutor(21) as pool:
         pending = pool.submit(post, envoy.port, key, extra={"x-delay-ms": "1500"}, timeout=30)
@@ -355,7 +355,7 @@ def test_waiters_take_over_an_expired_mark_router(upstream, start):
     envoy = start({"on_conflict": "wait", "lease_ms": 1000, "wait_max_ms": 5000}, "router")
     key = new_key("wexp")
     headers = [("content-type", "application/json"), ("Idempotency-Key", key),
-               ("x-delay-ms", "3000")]
+               ("x-delay-ms", "3000"), CALLER]
 
     with ThreadPoolExecutor(1) as pool:
         gone = pool.submit(abandon, envoy.port, "POST", "/payments", headers, BODY,

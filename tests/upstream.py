@@ -11,8 +11,10 @@ Request headers drive the answer:
   x-body-bytes: N    answer with exactly N bytes of a pattern that names the effect
   x-set-cookie: a,b  one `set-cookie` header per comma-separated value
   x-reset: 1         count the effect, then reset the connection without answering
+  x-hold: NAME       count the effect, then wait (60 s at most) for POST /__release?hold=NAME
 
-Admin (never counted): GET /__effects -> {"effects", "resets", "log"}; POST /__reset.
+Admin (never counted): GET /__effects -> {"effects", "resets", "log"}; POST /__reset;
+POST /__release?hold=NAME lets the requests held under NAME (now and later) answer.
 
 Run: python3 tests/upstream.py --port N [--host 127.0.0.1]   (prints "READY <port>")
 Import: make_server(host, port) or serve_in_thread(host, port).
@@ -28,10 +30,13 @@ import struct
 import sys
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 # The log is for tests, not for load runs: bounded so a long benchmark cannot eat memory.
 LOG_LIMIT = 100_000
+# A held request answers after this long even if nobody releases it.
+HOLD_LIMIT_S = 60
 # Statuses that must not carry a body (RFC 9110 §6.4.1); 204 must not carry Content-Length.
 NO_BODY_STATUSES = {204, 304}
 
@@ -123,6 +128,9 @@ class Handler(BaseHTTPRequestHandler):
         delay_ms = self.int_header("x-delay-ms", 0)
         if delay_ms > 0:
             time.sleep(delay_ms / 1000)
+        hold = self.headers.get("x-hold")
+        if hold:
+            self.server.gate(hold).wait(HOLD_LIMIT_S)
         self.answer(key, effect, status, body, entry)
 
     def read_body(self):
@@ -232,6 +240,11 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/__reset":
             self.server.store.clear()
             self.send_json(200, {"ok": True})
+        elif path == "/__release":
+            query = urllib.parse.parse_qs(self.path.partition("?")[2])
+            for name in query.get("hold", []):
+                self.server.gate(name).set()
+            self.send_json(200, {"released": query.get("hold", [])})
         else:
             self.send_json(404, {"error": "unknown admin path"})
 
@@ -260,6 +273,13 @@ class UpstreamServer(ThreadingHTTPServer):
         super().__init__(addr, Handler)
         self.store = EffectStore()
         self.verbose = verbose
+        self.gates = {}
+        self.gates_lock = threading.Lock()
+
+    def gate(self, name):
+        """The event requests held under `name` wait for (x-hold)."""
+        with self.gates_lock:
+            return self.gates.setdefault(name, threading.Event())
 
     def handle_error(self, request, client_address):
         # Peers that vanish are part of the tests; only report real bugs.
