@@ -73,7 +73,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
-from harness import (LOCALHOST, Upstream, admin_stats, envoy_binary, free_port,  # noqa: E402
+from harness import (CALLER, LOCALHOST, Upstream, admin_stats, envoy_binary, free_port,  # noqa: E402
                      port_accepts, request, rss_bytes, static_cluster, to_yaml, unique_base_id,
                      wasm_filter, wasm_path)
 
@@ -351,7 +351,7 @@ def memory_envoy(wasm, upstream_port, capacity, cpus):
 
 
 def post(port, key, path="/payments", extra=None, timeout=10):
-    headers = [("Host", HOST), ("Content-Type", "application/json")]
+    headers = [("Host", HOST), ("Content-Type", "application/json"), CALLER]
     if key is not None:
         headers.append(("Idempotency-Key", key))
     headers += list(extra or [])
@@ -366,6 +366,7 @@ def open_slow_call(port, key, delay_ms):
     does; the socket is kept open anyway and closed by the caller.
     """
     head = (f"POST /payments HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer bench\r\n"
             f"Content-Length: {len(BODY)}\r\nIdempotency-Key: {key}\r\n"
             f"x-bench-slow: 1\r\nx-delay-ms: {delay_ms}\r\n\r\n").encode()
     sock = socket.create_connection((LOCALHOST, port), timeout=5)
@@ -387,7 +388,7 @@ def send_many(port, keys, path, threads=8):
                 key = next(it, None)
             if key is None:
                 break
-            headers = [("Host", HOST), ("Content-Type", "application/json")]
+            headers = [("Host", HOST), ("Content-Type", "application/json"), CALLER]
             if key:
                 headers.append(("Idempotency-Key", key))
             try:
@@ -611,7 +612,7 @@ def main():
             k = f"chk-{fam}-{nonce}"
             first, again = post(ports[fam], k), post(ports[fam], k)
             # With etcd the completion is written just after the answer: a retry within those
-            # milliseconds gets a retryable 409 (README, Limits). Ask again, briefly.
+            # milliseconds gets a retryable 409 (docs/limits.md). Ask again, briefly.
             for _ in range(20):
                 if again.status != 409:
                     break
@@ -809,8 +810,9 @@ def measure_memory(env, n, nonce, capacity):
         "control_bytes_per_request": round((rss1 - rss0) / n),
         "stored_body_bytes": len(replay.body),
         "stored_header_bytes": header_bytes,
-        # README's bound: 93 (Envoy per key) + 34 (our framing) + H + R per stored entry.
-        "model_bytes_per_entry": 93 + 34 + header_bytes + len(replay.body),
+        # docs/memory.md's model: 93 (Envoy per key) + 38 (our footer) + H + R per stored
+        # entry, H counting 6 bytes of framing per header besides name and value.
+        "model_bytes_per_entry": 93 + 38 + header_bytes + len(replay.body),
     }
 
 
@@ -893,7 +895,7 @@ def print_table(summary, mem, info, problems):
     log(f"memory: {mem['bytes_per_entry']:,} bytes of Envoy RSS per stored entry, "
         f"{mem['heap_bytes_per_entry']:,} bytes of heap in use ({mem['keys']:,} keys, "
         f"{mem['stored_body_bytes']} B body + {mem['stored_header_bytes']} B headers each; "
-        f"README model {mem['model_bytes_per_entry']:,} B); control (same requests "
+        f"model of docs/memory.md {mem['model_bytes_per_entry']:,} B); control (same requests "
         f"without a key): {mem['control_bytes_per_request']:,} B per request")
     log(f"plugin size: {info['wasm_bytes']:,} bytes")
     for p in problems:
@@ -980,7 +982,7 @@ def markdown(res):
         f"**{mem['heap_bytes_per_entry']:,} bytes** per entry. {mem['keys']:,} unique keys "
         f"through the plugin (capacity {mem['capacity']:,}); each entry stores "
         f"{mem['stored_body_bytes']} B of body and {mem['stored_header_bytes']} B of headers; "
-        f"the README's model says {mem['model_bytes_per_entry']:,} B. Control: the same "
+        f"docs/memory.md's model says {mem['model_bytes_per_entry']:,} B. Control: the same "
         f"number of requests without a key (not covered, nothing stored) on the same "
         f"listener: {mem['control_bytes_per_request']:,} B of RSS per request. RSS: "
         f"{mem['rss'][0] / 2**20:.1f} MiB after warm-up, {mem['rss'][1] / 2**20:.1f} MiB "

@@ -9,5 +9,6 @@ function init(args)
   wrk.body = '{"amount":10}'
   wrk.headers["Host"] = args[3] or "bench"
   wrk.headers["Content-Type"] = "application/json"
+  wrk.headers["Authorization"] = "Bearer bench" -- keys are scoped by Authorization
   wrk.headers["Idempotency-Key"] = args[1] or "fixed"
 end

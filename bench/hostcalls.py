@@ -7,7 +7,7 @@ to the same upstream (an Envoy answering by itself), driven by wrk as in bench/b
 cost of one call is (CPU per request of the kind - CPU per request of noop) / n, with Envoy's
 CPU time read from /proc. Kinds are interleaved and repeated; the figure is the median.
 
-These are the calls the plugin makes on its paths (see the README's Performance section): the
+These are the calls the plugin makes on its paths (see docs/performance.md): the
 shared-data value is the size of one of its buckets (3,138 bytes).
 """
 

@@ -19,7 +19,8 @@ function init(args)
   local path = args[3] or "/payments"
   local host = args[4] or "bench"
   local body = '{"amount":10}'
-  head = method .. " " .. path .. " HTTP/1.1\r\nHost: " .. host .. "\r\n"
+  -- Every request speaks for a caller: keys are scoped by Authorization.
+  head = method .. " " .. path .. " HTTP/1.1\r\nHost: " .. host .. "\r\nAuthorization: Bearer bench\r\n"
   if method ~= "GET" then
     head = head .. "Content-Type: application/json\r\nContent-Length: " .. #body .. "\r\n"
   else

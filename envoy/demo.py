@@ -35,25 +35,28 @@ BANNER = f"""
 Idempotency demo: Envoy on http://{HOST}:{LISTENER_PORT}, sample upstream on {HOST}:{UPSTREAM_PORT}
 (admin http://{HOST}:{ADMIN_PORT}; plugin config in envoy/envoy.yaml). Try, in another shell:
 
+  # Keys are scoped to the caller (its Authorization header).
+  A='Authorization: Bearer alice'
+
   # 1. First call: the upstream does the work once (201, x-effect: 1).
-  curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments \\
+  curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments -H "$A" \\
        -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{"amount": 10}}'
 
   # 2. Same key again: the stored response is replayed (idempotent-replayed: true, x-effect: 1).
-  curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments \\
+  curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments -H "$A" \\
        -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{{"amount": 10}}'
 
   # 3. A duplicate while the first is still in progress gets 409 (retryable, Retry-After).
   #    The upstream honours x-delay-ms (slow answer) and x-status (its status code).
-  curl -s -X POST http://{HOST}:{LISTENER_PORT}/payments -H 'Idempotency-Key: order-2' \\
+  curl -s -X POST http://{HOST}:{LISTENER_PORT}/payments -H "$A" -H 'Idempotency-Key: order-2' \\
        -H 'x-delay-ms: 3000' -d '{{"amount": 5}}' &
-  sleep 0.5; curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments \\
+  sleep 0.5; curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments -H "$A" \\
        -H 'Idempotency-Key: order-2' -H 'x-delay-ms: 3000' -d '{{"amount": 5}}'
 
   # 4. An upstream failure releases the key: a retry does the work.
-  curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments -H 'Idempotency-Key: order-3' \\
+  curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments -H "$A" -H 'Idempotency-Key: order-3' \\
        -H 'x-status: 500' -d '{{}}'
-  curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments -H 'Idempotency-Key: order-3' -d '{{}}'
+  curl -si -X POST http://{HOST}:{LISTENER_PORT}/payments -H "$A" -H 'Idempotency-Key: order-3' -d '{{}}'
 
   # The plugin's counters:
   curl -s 'http://{HOST}:{ADMIN_PORT}/stats?filter=idem'

@@ -27,11 +27,12 @@ Fleet demo: replicas A on http://127.0.0.1:10001 and B on http://127.0.0.1:10002
 idempotency store in etcd (127.0.0.1:2379). Send the first call to A and the retry to B:
 
   H='Host: api.example'   # one API, one name: the store key includes the host
-  curl -s -X POST http://127.0.0.1:10001/payments -H "$H" -H 'Idempotency-Key: fleet-1' \\
+  A='Authorization: Bearer alice'   # and the caller
+  curl -s -X POST http://127.0.0.1:10001/payments -H "$H" -H "$A" -H 'Idempotency-Key: fleet-1' \\
        -H 'x-delay-ms: 3000' -d '{"amount": 7}' &
-  sleep 0.5; curl -si -X POST http://127.0.0.1:10002/payments -H "$H" \\
+  sleep 0.5; curl -si -X POST http://127.0.0.1:10002/payments -H "$H" -H "$A" \\
        -H 'Idempotency-Key: fleet-1' -H 'x-delay-ms: 3000' -d '{"amount": 7}'   # 409 on B
-  sleep 3;   curl -si -X POST http://127.0.0.1:10002/payments -H "$H" \\
+  sleep 3;   curl -si -X POST http://127.0.0.1:10002/payments -H "$H" -H "$A" \\
        -H 'Idempotency-Key: fleet-1' -H 'x-delay-ms: 3000' -d '{"amount": 7}'   # B replays A's answer
 
 Ctrl-C stops everything.

@@ -772,7 +772,7 @@ class Storm:
             elif a.fault in ("500", "503") and str(a.status) == a.fault:
                 pass  # the upstream's own failure, passed through
             elif self.forward == "router" and a.fault == "reset" and a.status == 503:
-                pass  # Envoy's own answer to the reset, passed through (README)
+                pass  # Envoy's own answer to the reset, passed through (docs/limits.md)
             else:
                 result.other_5xx[f"{a.status} {a.content_type}"] += 1
         elif a.status == 409 and a.problem == "in-progress":

@@ -183,7 +183,7 @@ def test_upstream_failure_on_a_releases_the_key_for_b_at_once(wasm, upstream, et
 
 def test_claim_latency_against_shared_data(wasm, upstream, etcd):
     """Not a timing assertion: prints the cost of a claim on etcd against shared data, both
-    measured in this run (README, fleet mode)."""
+    measured in this run (docs/fleet.md)."""
     clusters = [static_cluster("etcd", etcd.port)]
     shared = Envoy({"lease_ms": 3000}, upstream.port)
     fleet = Envoy(fleet_config(), upstream.port, extra_clusters=clusters)

@@ -105,7 +105,7 @@ def assert_problem(resp, status, kind, retryable):
 
 def post_until_final(envoy, key, attempts=20, **kwargs):
     """Retries a retryable in-progress 409 (with etcd the completion is written just after the
-    answer: README, Limits) a bounded number of times, 50 ms apart."""
+    answer: docs/limits.md) a bounded number of times, 50 ms apart."""
     for _ in range(attempts):
         resp = post(envoy, key, **kwargs)
         if not (resp.status == 409 and b"problem:in-progress" in resp.body):
@@ -289,8 +289,8 @@ def test_padded_key_is_trimmed_by_envoy(upstream, start):
 @pytest.mark.parametrize("header", [b"x-note", b"authorization", b"content-type"])
 def test_non_utf8_values_in_other_headers(upstream, start, header):
     """A valid key with a non-UTF-8 value elsewhere (a plain header, the scope header, a
-    fingerprint header): forwarded by the router instead of a detached call (README,
-    Limits), claimed and replayed all the same."""
+    fingerprint header): forwarded by the router instead of a detached call
+    (docs/limits.md), claimed and replayed all the same."""
     envoy, health = start()
     key = new_key("bytes")
     lines = [b"Idempotency-Key: " + key.encode(), header + b": \xff\xfe caf\xe9 \x80"]
@@ -388,7 +388,7 @@ def test_bodies_at_and_over_max_request_body_bytes(upstream, start, forward):
     assert r_empty.status == 201, r_empty.body
     for resp in (r_over, r_over_chunked, r_over_then):
         assert_problem(resp, 413, "body-too-large", False)
-    # 100 kB is far over the listener's buffer too: Envoy's own 413 may win (README, Limits).
+    # 100 kB is far over the listener's buffer too: Envoy's own 413 may win (docs/limits.md).
     assert r_huge.status == 413, (r_huge.status, r_huge.body[:200])
     # A 413 takes nothing: the same key with a body within the limit is processed.
     assert r_then_ok.status == 201 and r_then_ok.header("idempotent-replayed") is None

@@ -34,7 +34,9 @@ DOCKER_CONFIG_PATH = "/etc/envoy/envoy.yaml"
 
 # The plugin config of the demo (envoy.yaml and envoy-docker.yaml), as the brief fixes it.
 DEMO_PLUGIN_CONFIG = {"forward": "detached", "lease_ms": 10000, "retention_s": 86400,
-                      "capacity": 65536, "namespace": "demo"}
+                      "capacity": 65536, "max_store_bytes": 134217728,
+                      "scope_headers": ["authorization"], "missing_scope": "pass",
+                      "namespace": "demo"}
 
 
 # --- helpers ----------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def test_2mib_body_over_1mib_limit_gets_413_problem(upstream, start, forward, bu
     assert plugin_counters(envoy)["too_large"] == 1
     if buffer_limit is None:
         # Envoy's default 1 MiB listener buffer equals the limit: Envoy's own text/plain
-        # "413 Payload Too Large" wins over the plugin's reply (README, Limits). Still a 413,
+        # "413 Payload Too Large" wins over the plugin's reply (docs/limits.md). Still a 413,
         # still no effect; the shipped configs set the buffer to 4 MiB.
         assert big.status == 413
     else:
