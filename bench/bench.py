@@ -73,9 +73,13 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
-from harness import (CALLER, LOCALHOST, Upstream, admin_stats, envoy_binary, free_port,  # noqa: E402
+from harness import (LOCALHOST, Upstream, admin_stats, envoy_binary, free_port,  # noqa: E402
                      port_accepts, request, rss_bytes, static_cluster, to_yaml, unique_base_id,
                      wasm_filter, wasm_path)
+
+# The caller every bench request speaks for (keys are scoped by Authorization): the same
+# value as bench/unique.lua and bench/fixed.lua send.
+CALLER = ("Authorization", "Bearer bench")
 
 CONTROL_WASM = os.path.join(BENCH_DIR, "controls", "target", "wasm32-wasip1", "release",
                             "bench_controls.wasm")
@@ -366,7 +370,7 @@ def open_slow_call(port, key, delay_ms):
     does; the socket is kept open anyway and closed by the caller.
     """
     head = (f"POST /payments HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer bench\r\n"
+            f"{CALLER[0]}: {CALLER[1]}\r\n"
             f"Content-Length: {len(BODY)}\r\nIdempotency-Key: {key}\r\n"
             f"x-bench-slow: 1\r\nx-delay-ms: {delay_ms}\r\n\r\n").encode()
     sock = socket.create_connection((LOCALHOST, port), timeout=5)
@@ -632,6 +636,13 @@ def main():
             port = ports[case["listener"]]
             sock = None
             key = replay_key
+            if case["expect"] == "replayed":
+                # A key stored just now: the first-call rounds fill the table, and a full
+                # bucket evicts its oldest answers (an older replay key among them).
+                key = f"replay-{tag}-{nonce}"
+                first, again = post(port, key), post(port, key)
+                if first.status != 201 or again.header("idempotent-replayed") != "true":
+                    raise RuntimeError(f"the replay key answers {again.status}, not a replay")
             if case["id"] == "B4":
                 key = f"conflict-{tag}-{nonce}"
                 claimed = front.counters().get("claimed", 0)

@@ -424,6 +424,8 @@ impl<S: SharedKv> Table<S> {
         lease_ms: u64,
     ) -> Result<Begin, StoreError> {
         let (bucket_id, tag) = self.layout.locate(key);
+        // A completed way whose data key did not hold its response, last round.
+        let mut unmatched: Option<(usize, u64)> = None;
         for _ in 0..MAX_ATTEMPTS {
             let (mut bucket, cas) = self.read_bucket(bucket_id)?;
             match decide(&bucket, &tag, fingerprint, now_ms)? {
@@ -464,7 +466,12 @@ impl<S: SharedKv> Table<S> {
                     if let Some(response) = self.read_response(slot_of(bucket_id, way), &expected)? {
                         return Ok(Begin::Replay(response));
                     }
-                    // The way changed hands between the two reads: decide again.
+                    // The way changed hands between the two reads: decide again. Twice the
+                    // same entry without its response is not a race but a damaged store.
+                    if unmatched == Some((way, expected.gen)) {
+                        return Err(StoreError::Corrupt("entry: its response is missing or foreign"));
+                    }
+                    unmatched = Some((way, expected.gen));
                 }
             }
         }

@@ -2,7 +2,7 @@
 //! untrusted bytes to exactly the same parsers. Each must return normally on any input.
 
 use crate::config::Config;
-use crate::engine::{decide, Layout, Table};
+use crate::engine::{decide, Begin, Layout, StoreError, Table};
 use crate::entry::{response_stamp, Bucket, StoredResponse};
 use crate::fingerprint::Fingerprint;
 use crate::key::{parse_key, StoreKey};
@@ -39,7 +39,8 @@ pub fn entry(data: &[u8]) {
         again.stamp(gen, &key);
         assert_eq!(again.as_bytes(), data, "the encoding is canonical");
     }
-    // A foreign value in a bucket key and in every data key of a one-bucket table.
+    // A foreign value in the bucket key of a one-bucket table: an error, or (if it is a valid
+    // bucket) a decision, but never a replay (every data key is empty).
     let table = Table::new(MemoryKv::new(), Layout::new("f", 1, 1 << 20));
     if table.create().is_err() {
         return;
@@ -47,19 +48,31 @@ pub fn entry(data: &[u8]) {
     let kv = table.store();
     let _ = kv.set("f:t2:1:b0", data, None);
     let k = StoreKey::derive("f", b"h", &[], b"k");
-    let _ = table.begin(&k, &Fingerprint::default(), 1, 10);
-    let _ = table.sweep(0, u64::MAX);
+    let is_bucket = Bucket::decode(data.to_vec()).is_ok();
+    let begin = table.begin(&k, &Fingerprint::default(), 1, 10);
+    let refused = matches!(begin, Err(StoreError::Corrupt(_)));
+    let decided = is_bucket && matches!(begin, Ok(ref b) if !matches!(b, Begin::Replay(_)));
+    assert!(refused || decided, "planted bucket: {begin:?}");
+    assert_eq!(table.sweep(0, u64::MAX).is_err(), !is_bucket);
 
-    // A completed entry whose response was replaced by a foreign value.
+    // A completed entry whose response was replaced by a foreign value: an error, unless the
+    // value is a response stamped for exactly this entry.
     let table = Table::new(MemoryKv::new(), Layout::new("g", 1, 1 << 20));
     if table.create().is_err() {
         return;
     }
-    if let Ok(crate::engine::Begin::Claimed { ticket, .. }) = table.begin(&k, &Fingerprint::default(), 1, 10) {
+    if let Ok(Begin::Claimed { ticket, .. }) = table.begin(&k, &Fingerprint::default(), 1, 10) {
         let mut response = StoredResponse::new(200, [], b"ok".to_vec());
         let _ = table.complete(&ticket, Some(&mut response), 1, 100);
         let _ = table.store().set(&format!("g:t2:1:d{}", ticket.slot), data, None);
-        let _ = table.begin(&k, &Fingerprint::default(), 2, 10);
+        let ours = StoredResponse::decode(data.to_vec()).ok().filter(|(g, k, _)| *g == ticket.gen && *k == ticket.key);
+        let begin = table.begin(&k, &Fingerprint::default(), 2, 10);
+        let ok = match (&begin, ours) {
+            (Ok(Begin::Replay(r)), Some((_, _, planted))) => *r == planted,
+            (Err(StoreError::Corrupt(_)), None) => true,
+            _ => false,
+        };
+        assert!(ok, "planted response: {begin:?}");
         let _ = table.release(&ticket);
     }
     let _ = crate::retention::EvictionWindow::decode(data);

@@ -16,10 +16,10 @@ pub mod problem;
 pub mod retention;
 pub mod store;
 
-#[cfg(all(target_arch = "wasm32", not(test)))]
+#[cfg(all(target_arch = "wasm32", not(test), feature = "plugin"))]
 mod filter;
 
-#[cfg(all(target_arch = "wasm32", not(test)))]
+#[cfg(all(target_arch = "wasm32", not(test), feature = "plugin"))]
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Debug);
     proxy_wasm::set_root_context(|id| -> Box<dyn proxy_wasm::traits::RootContext> {

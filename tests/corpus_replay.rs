@@ -6,7 +6,9 @@ use std::fs;
 use std::path::Path;
 
 fn replay(target: &str, run: fn(&[u8])) -> usize {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target);
+    // Under the WASI runner only the current directory (the package's) is open.
+    let root = if cfg!(target_family = "wasm") { Path::new(".") } else { Path::new(env!("CARGO_MANIFEST_DIR")) };
+    let dir = root.join("fuzz/corpus").join(target);
     let mut n = 0;
     for entry in fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
         let path = entry.unwrap().path();

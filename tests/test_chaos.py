@@ -3,8 +3,8 @@ hostile input"): 22 s on shared data and 18 s on etcd, each with an Envoy SIGKIL
 in the middle, forward "detached", lease_ms 1000 (3000 with etcd, its minimum).
 
 Asserts what chaos.py exits non-zero on: no unexplained duplicate effect, no lost or wrong
-answer, no unexpected refusal of an identical request, no key left locked, no Wasm VM
-failure. The full runs: `python tests/chaos.py --store shared_data|etcd --duration 120`.
+answer, no 5xx the plugin made or nobody explains, no unexpected refusal of an identical
+request, no key left locked, no Wasm VM failure. The full runs: `python tests/chaos.py --store shared_data|etcd --duration 120`.
 """
 
 import pytest
@@ -23,6 +23,7 @@ def test_short_storm_with_a_kill(wasm, store):
     assert result.keys > 100 and result.successes > result.keys / 2, result.summary()
     assert not result.unexplained, "\n".join(result.details) or result.unexplained[:10]
     assert not result.lost, result.lost[:10]
+    assert not result.plugin_5xx and not result.other_5xx, (result.plugin_5xx, result.other_5xx)
     assert not result.unexpected, result.unexpected_examples[:10]
     assert not result.stuck, result.stuck[:10]
     assert not result.vm_failures, result.vm_failures[:10]

@@ -230,6 +230,9 @@ def test_1000_clients_leaving_at_random_moments(upstream, start):
             assert effects_before.get(key, 0) == 0, (key, effects_before.get(key))
             assert resp.status == 201 and not is_replay(resp), describe(resp)
     print(f"keys never claimed before the client left: {never}")
+    # A client leaves after 0-300 ms and the claim takes about 1: only those that left at once
+    # (about 2 %) can find their key unclaimed. A plugin that stopped claiming would show 1000.
+    assert never <= n // 20, never
     assert probe.status == 201 and not is_replay(probe), describe(probe)
     assert upstream.effects() == {**{k: 1 for k in keys}, probe_key: 1}
     assert upstream.resets() == {}  # no detached call was cut by its client's departure

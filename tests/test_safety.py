@@ -424,7 +424,6 @@ def tls_post(port, pki, client, key, body=BODY):
         conn.close()
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 @pytest.mark.parametrize("forward", FORWARDS)
 def test_mtls_peer_scope(upstream, make_envoy, wasm, forward, tmp_path):
     pki = make_pki(str(tmp_path))
