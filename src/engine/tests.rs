@@ -382,12 +382,14 @@ fn concurrent_callers_claim_each_key_once() {
     assert_eq!(claims.load(Ordering::SeqCst), KEYS as usize);
 }
 
-/// Owners complete, release and renew while others claim and take over expired marks: every
-/// replay is a response whose completion returned `Stored`, of the key asked for (SPEC §3.8).
+/// Owners complete, release and die while others claim and take over expired marks, and
+/// some owners finish late, after their mark may have been taken over: every replay is a
+/// response whose completion returned `Stored`, of the key asked for (SPEC §3.8), and a late
+/// owner never spoils the entry of the one that took over (a replay never fails).
 #[test]
 #[cfg(not(target_family = "wasm"))]
 fn concurrent_owners_never_overwrite_each_other() {
-    use std::collections::HashSet;
+    use std::collections::{HashSet, VecDeque};
     use std::sync::Mutex;
     const THREADS: usize = 8;
     let t = Arc::new(table(64)); // one bucket: maximal contention
@@ -399,22 +401,29 @@ fn concurrent_owners_never_overwrite_each_other() {
             std::thread::spawn(move || {
                 barrier.wait();
                 let mut replays = Vec::new();
-                for round in 0..300u64 {
-                    // Time moves fast: marks expire and are taken over all the time.
+                let mut late: VecDeque<(u64, Ticket, String)> = VecDeque::new();
+                let finish = |ticket: &Ticket, body: String, now: u64| {
+                    if let Completed::Stored(_) = complete(&t, ticket, &body, now, 2_000) {
+                        stored.lock().unwrap().insert(body);
+                    }
+                };
+                for round in 0..400u64 {
+                    // Time moves fast: marks (1.5 s) expire and are taken over all the time.
                     let now = round * 1_000;
                     let k = round % 5;
+                    while late.front().is_some_and(|(due, _, _)| *due <= round) {
+                        let (_, ticket, body) = late.pop_front().unwrap();
+                        finish(&ticket, body, now);
+                    }
                     if let Begin::Claimed { ticket, .. } = t.begin(&key(k), &fp(1), now, 1_500).unwrap() {
-                        match (round + i as u64) % 3 {
-                            0 => {
-                                let body = format!("key{k}-thread{i}-round{round}");
-                                if let Completed::Stored(_) = complete(&t, &ticket, &body, now, 2_000) {
-                                    stored.lock().unwrap().insert(body);
-                                }
-                            }
+                        let body = format!("key{k}-thread{i}-round{round}");
+                        match (round + i as u64) % 4 {
+                            0 => finish(&ticket, body, now),
                             1 => {
                                 t.release(&ticket).unwrap();
                             }
-                            _ => {} // the owner "dies": its mark expires
+                            2 => {} // the owner dies: its mark expires
+                            _ => late.push_back((round + 2, ticket, body)), // finishes late
                         }
                     }
                     if let Some(body) = replay_body(&t, k, now) {
