@@ -449,9 +449,9 @@ impl<S: SharedKv> Table<S> {
                             change.expired_marks -= 1; // counted as a takeover instead
                         }
                         if old.bytes > 0 {
-                            // The way is ours now: nobody else writes its data key, so the old
-                            // response can go without reading it first.
-                            self.store.set(&self.layout.data_key(slot), b"", None)?;
+                            // Free the old response; fenced like every blank (a blind write
+                            // could meet a newer owner's if clocks disagreed by a lease).
+                            self.blank_data(slot, old.gen)?;
                         }
                         let ticket = Ticket { slot, gen: claimed.gen, key: tag };
                         return Ok(Begin::Claimed { ticket, takeover, change });
