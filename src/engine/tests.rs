@@ -422,7 +422,7 @@ fn concurrent_owners_never_overwrite_each_other() {
                             1 => {
                                 t.release(&ticket).unwrap();
                             }
-                            2 => {} // the owner dies: its mark expires
+                            2 => {}                                         // the owner dies: its mark expires
                             _ => late.push_back((round + 2, ticket, body)), // finishes late
                         }
                     }
