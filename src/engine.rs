@@ -43,6 +43,8 @@ pub enum StoreError {
     Missing,
     /// Too many CAS conflicts in a row.
     Contention,
+    /// The store did not answer (etcd down, unreachable, timed out).
+    Unavailable,
 }
 
 impl From<KvError> for StoreError {

@@ -172,12 +172,19 @@ fn parse_way(raw: &[u8]) -> Result<Way, Corrupt> {
 const ENTRY_MAGIC: [u8; 2] = [b'E', 2];
 
 /// One entry as a value of its own (the etcd store): its header, then the stored response when
-/// it is completed with one (stamped with the entry's `gen` and key).
+/// it is completed with one, stamped here with the entry's `gen` and key.
 pub fn encode_entry(way: &Way, response: Option<&StoredResponse>) -> Vec<u8> {
-    let mut out = ENTRY_MAGIC.to_vec();
+    let mut out = Vec::with_capacity(2 + WAY_BYTES + response.map_or(0, StoredResponse::stored_len));
+    out.extend_from_slice(&ENTRY_MAGIC);
     out.extend_from_slice(&way_bytes(way)[..]);
     if let Some(r) = response {
         out.extend_from_slice(r.as_bytes());
+        let at = out.len() - STAMP_BYTES;
+        if let Some(stamp) = out.get_mut(at..at + 8 + 16) {
+            let (gen, key) = stamp.split_at_mut(8);
+            gen.copy_from_slice(&way.gen.to_le_bytes());
+            key.copy_from_slice(&way.key);
+        }
     }
     out
 }
@@ -517,10 +524,15 @@ mod tests {
         // A completed entry must carry its response; a mark must not.
         assert!(decode_entry(&encode_entry(&done, None)).is_err());
         assert!(decode_entry(&encode_entry(&mark, Some(&resp))).is_err());
-        // A response stamped for another entry is foreign.
+        // The response is stamped for the entry as it is encoded; one stamped for another
+        // entry is foreign.
         let mut other = resp.clone();
         other.stamp(done.gen + 1, &done.key);
-        assert!(decode_entry(&encode_entry(&done, Some(&other))).is_err());
+        assert_eq!(encode_entry(&done, Some(&other)), bytes);
+        let mut foreign = bytes.clone();
+        let at = foreign.len() - STAMP_BYTES;
+        foreign[at] ^= 1;
+        assert!(decode_entry(&foreign).is_err());
         for n in 0..bytes.len() {
             assert!(decode_entry(&bytes[..n]).is_err(), "prefix {n}");
         }

@@ -80,7 +80,7 @@ pub fn entry(data: &[u8]) {
 
 /// An answer from etcd's gateway, and an etcd value (an entry of ours or a foreign one).
 pub fn etcd(data: &[u8]) {
-    use crate::store::etcd::{parse_grant, parse_keepalive, parse_txn};
+    use crate::store::etcd::protocol::{parse_grant, parse_keepalive, parse_txn};
     for status in [200, 404, 503] {
         let _ = parse_txn(status, data);
         let _ = parse_grant(status, data);

@@ -10,19 +10,21 @@ pub mod engine;
 pub mod entry;
 pub mod fingerprint;
 pub mod fuzzing;
+pub mod host;
 pub mod key;
+pub mod lifecycle;
 pub mod metrics;
 pub mod problem;
 pub mod retention;
 pub mod store;
 
 #[cfg(all(target_arch = "wasm32", not(test), feature = "plugin"))]
-mod filter;
+mod plugin;
 
 #[cfg(all(target_arch = "wasm32", not(test), feature = "plugin"))]
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Debug);
     proxy_wasm::set_root_context(|id| -> Box<dyn proxy_wasm::traits::RootContext> {
-        Box::new(filter::Root::new(id))
+        Box::new(plugin::Root::new(id))
     });
 }}

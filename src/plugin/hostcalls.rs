@@ -7,6 +7,7 @@ use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::ptr::{null, null_mut};
 use std::time::{Duration, UNIX_EPOCH};
 
+use crate::host::{Headers, Host};
 use crate::store::{KvError, SharedKv};
 
 // Raw ABI imports. Statuses are read as `u32`: an unknown value must not be undefined
@@ -127,36 +128,50 @@ pub fn send_response<N: AsRef<[u8]>, V: AsRef<[u8]>>(status: u16, headers: &[(N,
     }
 }
 
-pub fn request_headers() -> Vec<(String, Vec<u8>)> {
-    hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
+/// What the lifecycle reads from Envoy, for the context the current callback is for.
+pub struct HostCalls;
+
+impl Host for HostCalls {
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
+    }
+
+    fn request_headers(&self) -> Headers {
+        hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
+    }
+
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn response_headers(&self) -> Headers {
+        hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default()
+    }
+
+    fn response_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        hostcalls::get_property(path.to_vec()).ok().flatten()
+    }
+
+    fn call_headers(&self) -> Headers {
+        hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default()
+    }
+
+    fn call_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    }
 }
 
-pub fn request_header(name: &str) -> Option<Vec<u8>> {
-    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
+pub fn plugin_configuration() -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
 }
 
-pub fn response_headers() -> Vec<(String, Vec<u8>)> {
-    hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default()
-}
-
-pub fn request_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
-}
-
-pub fn response_body_chunk(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
-}
-
-pub fn call_response_headers() -> Vec<(String, Vec<u8>)> {
-    hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default()
-}
-
-pub fn call_response_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
-}
-
-pub fn property(path: &[&str]) -> Option<Vec<u8>> {
-    hostcalls::get_property(path.to_vec()).ok().flatten()
+/// Tells Envoy a root context that asked to finish later (`on_done` answered false) is done.
+pub fn done() {
+    let _ = hostcalls::done();
 }
 
 pub fn resume_request() -> bool {
@@ -168,7 +183,7 @@ pub fn set_effective_context(context_id: u32) -> bool {
     hostcalls::set_effective_context(context_id).is_ok()
 }
 
-/// Sends a request upstream from the current context (the root: see `filter::root`).
+/// Sends a request from the current context (the root's: see `plugin::root`).
 pub fn dispatch(cluster: &str, headers: Vec<(&str, &str)>, body: &[u8], timeout: Duration) -> Result<u32, Status> {
     hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
 }

@@ -1,7 +1,7 @@
 //! The etcd v3 JSON gateway, sans I/O: the bodies the plugin sends and the parsers of what
 //! etcd answers (SPEC §4: `POST /v3/kv/txn`, keys and values base64, 64-bit numbers as
-//! strings, false and empty fields omitted). The host adapter sends them with
-//! `dispatch_http_call`.
+//! strings, false and empty fields omitted). The store ([`super::EtcdStore`]) builds and
+//! reads them; the host adapter sends them with `dispatch_http_call`.
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
@@ -60,11 +60,13 @@ pub fn replace_txn(key: &[u8], mod_revision: i64, value: &[u8], lease: i64) -> V
     .into_bytes()
 }
 
-/// Delete the key if nobody wrote it since `mod_revision` (release).
+/// Delete the key if nobody wrote it since `mod_revision` (release); otherwise read it (a
+/// renewal that etcd applied but did not acknowledge moved the revision on).
 pub fn delete_txn(key: &[u8], mod_revision: i64) -> Vec<u8> {
     json!({
         "compare": [{"key": b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": mod_revision.to_string()}],
         "success": [{"request_delete_range": {"key": b64(key)}}],
+        "failure": [range(key)],
     })
     .to_string()
     .into_bytes()

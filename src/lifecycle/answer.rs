@@ -1,0 +1,275 @@
+//! The claim and what follows from the store's answer (SPEC §3.2–3.4): go upstream (router
+//! or detached), wait, or answer 409, the replay, or a problem.
+
+use std::rc::Rc;
+
+use super::request::{self, Outbound, Pending};
+use super::{Held, Holding, Lifecycle, Outgoing, Phase, Reply};
+use crate::config::{OnConflict, OnUnavailable, StoreConfig};
+use crate::entry::StoredResponse;
+use crate::host::{Flow, Headers, Host};
+use crate::metrics::Counter;
+use crate::problem::Problem;
+use crate::store::{Answer, Began, Claim, Completed, For, Owner, Store};
+
+/// What the request does after its claim's answer.
+pub(super) enum Next {
+    /// Goes on through Envoy's router (claimed in router mode, or passed unprotected).
+    Router,
+    /// Stays paused: the root sends it, it waits, or it was answered.
+    Hold,
+}
+
+/// The request's headers and body, turned into what the root sends only when it must: a
+/// replay or a 409 never needs it (it costs a property read and a copy of every header).
+pub(super) struct LazyOutbound<'a> {
+    host: Option<&'a dyn Host>,
+    parts: Option<(Option<Headers>, Vec<u8>)>,
+}
+
+impl LazyOutbound<'_> {
+    pub(super) fn none() -> LazyOutbound<'static> {
+        LazyOutbound { host: None, parts: None }
+    }
+
+    fn take(&mut self) -> Option<Outbound> {
+        let (headers, body) = self.parts.take()?;
+        request::outbound(self.host?, headers, body)
+    }
+}
+
+impl<S: Store> Lifecycle<S> {
+    /// The whole request is here: claim the key or learn what holds it (SPEC §3.2–3.4).
+    pub(super) fn claim(&mut self, host: &dyn Host, id: u32, body: Vec<u8>, now: u64) -> Flow {
+        let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
+        let Phase::ReadingBody { pending, .. } = std::mem::replace(&mut stream.phase, Phase::Pass) else {
+            return Flow::Continue;
+        };
+        let policy = self.config.clone();
+        let policy = policy.policy(stream.policy);
+        let Pending { key, mut fingerprint, headers, .. } = *pending;
+        if policy.fingerprint_body {
+            fingerprint.body(&body);
+        }
+        let fingerprint = fingerprint.finish();
+        self.renew_due(now, false);
+        let claim = Claim { key, fingerprint, lease_ms: policy.lease_ms };
+        let mut held = Box::new(Held {
+            key,
+            fingerprint,
+            outbound: None,
+            wait_deadline_ms: None,
+            next_poll_ms: 0,
+            polling: false,
+            _buffered: None,
+        });
+        let mut lazy = LazyOutbound { host: Some(host), parts: Some((headers, body)) };
+        match self.store.begin(For::Stream(id), &claim, now) {
+            Some(Answer::Began(began)) => {
+                log::debug!("key {} -> {}", key.short(), describe(&began));
+                match self.decide(id, held, began, &mut lazy, now) {
+                    Next::Router => Flow::Continue,
+                    Next::Hold => Flow::Pause,
+                }
+            }
+            Some(other) => {
+                log::warn!("unexpected store answer to a claim: {other:?}");
+                self.problem(id, Problem::store_unavailable(policy.retry_after_s));
+                Flow::Pause
+            }
+            None => {
+                // The store answers later, in the root's event: read what the root may need
+                // to send the request now, while this is the stream's own event.
+                held.outbound = lazy.take();
+                self.set_phase(id, Phase::Claiming(held));
+                Flow::Pause
+            }
+        }
+    }
+
+    /// A claim's answer that came later (etcd), in the root's event.
+    pub(super) fn on_claim_answer(&mut self, id: u32, began: Began, now: u64) {
+        let Some(stream) = self.streams.get_mut(&id) else { return };
+        let held = match std::mem::replace(&mut stream.phase, Phase::Pass) {
+            Phase::Claiming(held) => held,
+            Phase::Waiting(held) => {
+                stream.phase = Phase::Waiting(held);
+                return self.on_poll_answer(id, began, now);
+            }
+            other => {
+                stream.phase = other;
+                return;
+            }
+        };
+        log::debug!("key {} -> {}", held.key.short(), describe(&began));
+        if let Next::Router = self.decide(id, held, began, &mut LazyOutbound::none(), now) {
+            self.effects.push(super::Effect::Resume { stream: id });
+        }
+    }
+
+    /// What the request does with its claim's answer; counted here.
+    pub(super) fn decide(&mut self, id: u32, held: Box<Held>, began: Began, lazy: &mut LazyOutbound, now: u64) -> Next {
+        let Some(policy) = self.streams.get(&id).map(|s| s.policy) else { return Next::Hold };
+        let retry_after_s = self.policy(policy).retry_after_s;
+        match began {
+            Began::Claimed { owner, takeover, change, leased_ms } => {
+                self.count(Counter::Claimed);
+                if takeover {
+                    self.count(Counter::ExpiredTakeover);
+                }
+                self.apply(&change);
+                let outbound = held.outbound.or_else(|| lazy.take());
+                self.go_upstream(id, policy, Some(owner), outbound, leased_ms)
+            }
+            Began::InProgress => self.in_progress(id, held, lazy, now),
+            Began::Replay(response) => {
+                self.count(Counter::Replayed);
+                self.reply(id, Reply::Stored { response, replayed: true });
+                Next::Hold
+            }
+            Began::CompletedWithoutBody => self.refuse(id, Counter::Conflict, Problem::completed_without_response()),
+            Began::Mismatch => self.refuse(id, Counter::FingerprintMismatch, Problem::fingerprint_mismatch()),
+            Began::Full => self.refuse(id, Counter::StoreFull, Problem::store_full(retry_after_s)),
+            Began::Failed(e) => {
+                log::warn!("store error {e:?}");
+                self.refuse(id, Counter::StoreError, Problem::store_unavailable(retry_after_s))
+            }
+            Began::Unavailable => {
+                let outbound = held.outbound.or_else(|| lazy.take());
+                self.unavailable(id, policy, outbound)
+            }
+        }
+    }
+
+    fn refuse(&mut self, id: u32, counter: Counter, problem: Problem) -> Next {
+        self.count(counter);
+        self.problem(id, problem);
+        Next::Hold
+    }
+
+    /// Claimed (or passed without a claim): the root sends it, or the router does.
+    pub(super) fn go_upstream(
+        &mut self,
+        id: u32,
+        policy: usize,
+        owner: Option<Owner>,
+        outbound: Option<Outbound>,
+        leased_ms: u64,
+    ) -> Next {
+        if let Some(owner) = owner {
+            self.holdings.insert(owner.id, Holding { owner, policy, renewed_ms: leased_ms });
+        }
+        match outbound {
+            Some(request) => {
+                self.outbox.push_back(Outgoing { stream: id, policy, owner, leased_ms, request });
+                self.set_phase(id, Phase::Detached);
+                Next::Hold
+            }
+            None => {
+                self.set_phase(id, Phase::Owner { owner, capture: None });
+                Next::Router
+            }
+        }
+    }
+
+    /// Same fingerprint, in progress: hold it (wait mode, while there is room) or 409.
+    fn in_progress(&mut self, id: u32, mut held: Box<Held>, lazy: &mut LazyOutbound, now: u64) -> Next {
+        let Some(policy) = self.streams.get(&id).map(|s| s.policy) else { return Next::Hold };
+        let p = self.config.clone();
+        let p = p.policy(policy);
+        if p.on_conflict == OnConflict::Wait && self.waiting < self.config.max_waiters {
+            let outbound = held.outbound.take().or_else(|| lazy.take());
+            // A held body counts against the worker's buffer budget; past it, 409 at once.
+            let reserved = match &outbound {
+                Some(o) => self.buffered.reserve(o.body.len()).map(Some),
+                None => Some(None),
+            };
+            if let Some(reservation) = reserved {
+                self.count(Counter::Waited);
+                held.outbound = outbound;
+                held._buffered = reservation;
+                held.wait_deadline_ms = Some(now.saturating_add(p.wait_max_ms));
+                held.next_poll_ms = now.saturating_add(self.store.wait_poll_ms());
+                self.set_phase(id, Phase::Waiting(held));
+                return Next::Hold;
+            }
+        }
+        self.refuse(id, Counter::Conflict, Problem::in_progress(p.retry_after_s))
+    }
+
+    /// The store does not answer: `on_unavailable` decides (SPEC §2).
+    fn unavailable(&mut self, id: u32, policy: usize, outbound: Option<Outbound>) -> Next {
+        self.count(Counter::StoreError);
+        let pass = matches!(&self.config.store, StoreConfig::Etcd(e) if e.on_unavailable == OnUnavailable::Pass);
+        if !pass {
+            let retry_after_s = self.policy(policy).retry_after_s;
+            self.problem(id, Problem::store_unavailable(retry_after_s));
+            return Next::Hold;
+        }
+        log::warn!("store unavailable: forwarding without idempotency (on_unavailable: pass)");
+        self.go_upstream(id, policy, None, outbound, 0)
+    }
+
+    /// What an owner's write achieved, counted.
+    pub(super) fn on_owner_answer(&mut self, owner: Owner, answer: Answer) -> Option<Rc<StoredResponse>> {
+        match answer {
+            Answer::Renewed(true) => None,
+            Answer::Renewed(false) => {
+                self.holdings.remove(&owner.id);
+                None
+            }
+            Answer::Released { done, change } => {
+                self.count(if done { Counter::Released } else { Counter::OwnerLost });
+                self.apply(&change);
+                None
+            }
+            Answer::Completed(Completed::Stored { change, response }) => {
+                self.count(Counter::Completed);
+                self.apply(&change);
+                response
+            }
+            Answer::Completed(Completed::WithoutBody { change, response }) => {
+                self.count(Counter::Completed);
+                self.count(Counter::ResponseNotStored);
+                self.apply(&change);
+                response
+            }
+            Answer::Completed(Completed::Lost { response }) => {
+                log::info!("a mark was taken over before its owner finished; the late result is not stored");
+                self.count(Counter::OwnerLost);
+                response
+            }
+            Answer::Refused { error, response } => {
+                log::warn!("store write refused ({error:?}); retried from the timer");
+                self.count(Counter::StoreError);
+                response
+            }
+            Answer::Began(_) => None,
+        }
+    }
+
+    /// An answer the store gave later (etcd), or a retried write's (both stores).
+    pub(super) fn on_store_answer(&mut self, who: For, answer: Answer, now: u64) {
+        match (who, answer) {
+            (For::Stream(id), Answer::Began(began)) => self.on_claim_answer(id, began, now),
+            (For::Owner(owner), answer) => {
+                self.on_owner_answer(owner, answer);
+            }
+            (For::Stream(_), other) => log::warn!("unexpected store answer for a stream: {other:?}"),
+        }
+    }
+}
+
+/// A short text of a claim's answer for the debug log.
+pub(super) fn describe(began: &Began) -> String {
+    match began {
+        Began::Claimed { owner, takeover, .. } => format!("claimed (token {}, takeover: {takeover})", owner.fence),
+        Began::InProgress => "in progress".into(),
+        Began::Replay(r) => format!("replay of {}", r.status()),
+        Began::CompletedWithoutBody => "completed without stored response: 409".into(),
+        Began::Mismatch => "fingerprint mismatch: 422".into(),
+        Began::Full => "store full: 503".into(),
+        Began::Failed(e) => format!("store error {e:?}: 503"),
+        Began::Unavailable => "store unavailable".into(),
+    }
+}

@@ -1,0 +1,62 @@
+//! What the lifecycle asks the host to do. The adapter carries effects out in order, after the
+//! event that produced them returned: a local reply re-enters the plugin's own callbacks.
+
+use std::rc::Rc;
+
+use crate::entry::StoredResponse;
+use crate::metrics::{Counter, Gauge};
+use crate::problem::Problem;
+use crate::store::CallRequest;
+
+/// Who an HTTP call's answer goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CallId {
+    /// A covered request the root sends upstream itself (detached forwarding).
+    Upstream(u64),
+    /// A request of the store's (etcd).
+    Store(u64),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Problem(Problem),
+    /// A stored response (`replayed`: with `idempotent-replayed: true`), or the upstream's
+    /// answer to a detached call.
+    Stored {
+        response: Rc<StoredResponse>,
+        replayed: bool,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// A local reply on `stream`. The lifecycle emits it only for streams still open; the
+    /// adapter makes the stream current first when the event was another's.
+    Reply {
+        stream: u32,
+        reply: Reply,
+    },
+    /// Let `stream`'s paused request go on through Envoy's router.
+    Resume {
+        stream: u32,
+    },
+    /// Send an HTTP call from the root context (only emitted in the root's events).
+    Dispatch {
+        call: CallId,
+        request: CallRequest,
+    },
+    /// The root has calls to send: wake it (the VM's shared queue) from a stream's event.
+    WakeRoot,
+    Count {
+        counter: Counter,
+        n: u32,
+    },
+    AddGauge {
+        gauge: Gauge,
+        delta: i64,
+    },
+    SetGauge {
+        gauge: Gauge,
+        value: u64,
+    },
+}

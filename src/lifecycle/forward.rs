@@ -1,0 +1,275 @@
+//! The upstream's answer, in both forward modes (SPEC §3.4): a release status or no answer at
+//! all releases the key; any other status completes it, with the response when it fits.
+
+use std::rc::Rc;
+
+use super::{CallId, Effect, Lifecycle, Outgoing, Phase, Reply, Upstream};
+use crate::budget::Reservation;
+use crate::entry::{StoredResponse, STORED_OVERHEAD};
+use crate::host::{Headers, Host};
+use crate::metrics::Counter;
+use crate::problem::Problem;
+use crate::store::{CallAnswer, CallRequest, Owner, Store};
+
+/// A router-mode answer as it streams past, kept for the stored response. `kept` is `None`
+/// once it is over `max_response_bytes` or the worker's buffer budget: it passes on, unstored.
+pub(super) struct Capture {
+    status: u16,
+    headers: Headers,
+    kept: Option<(Vec<u8>, Reservation)>,
+}
+
+/// How a detached call ended. Envoy's own answers carry no `x-envoy-upstream-service-time`
+/// and a telltale body (SPEC §4).
+enum Outcome {
+    Answer(StoredResponse),
+    NoAnswer { status: u16, reason: &'static str },
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and those Envoy recomputes for a local reply: never
+/// stored or replayed.
+pub fn is_hop_by_hop(name: &str) -> bool {
+    matches!(
+        name,
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "content-length"
+    ) || name.starts_with(':')
+}
+
+/// The `:status` of a header map, 0 when absent or not a number.
+pub fn status_of(headers: &[(String, Vec<u8>)]) -> u16 {
+    headers
+        .iter()
+        .find(|(n, _)| n == ":status")
+        .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok())
+        .unwrap_or(0)
+}
+
+fn classify(answer: CallAnswer) -> Outcome {
+    let CallAnswer { status, headers, body } = answer;
+    if status == 0 {
+        return Outcome::NoAnswer { status: 502, reason: "The upstream connection broke before a complete answer" };
+    }
+    let from_upstream = headers.iter().any(|(n, _)| n == "x-envoy-upstream-service-time");
+    if !from_upstream {
+        if status == 503 && body.starts_with(b"upstream connect error or disconnect/reset before headers") {
+            let says = |word: &[u8]| body.windows(word.len()).any(|w| w == word);
+            // A connect failure, or Envoy's circuit breaker (overflow): nothing was sent.
+            let connect = says(b"connection failure")
+                || says(b"overflow")
+                || headers.iter().any(|(n, _)| n == "x-envoy-overloaded");
+            return if connect {
+                Outcome::NoAnswer { status: 503, reason: "The upstream could not be reached" }
+            } else {
+                Outcome::NoAnswer { status: 502, reason: "The upstream reset the connection before answering" }
+            };
+        }
+        if status == 504 && body == b"upstream request timeout" {
+            return Outcome::NoAnswer { status: 504, reason: "The upstream did not answer within upstream_timeout_ms" };
+        }
+    }
+    // The body becomes the stored form in place: the VM holds one copy of the answer.
+    let kept = headers.iter().filter(|(n, _)| !is_hop_by_hop(n)).map(|(n, v)| (n.as_str(), v.as_slice()));
+    Outcome::Answer(StoredResponse::new(status, kept, body))
+}
+
+impl<S: Store> Lifecycle<S> {
+    /// Sends a queued detached call (in the root's event). A job that waited long (a busy
+    /// event loop, etcd's round trip) renews its mark first, so that the lease counts from
+    /// the moment the call leaves; a fresh one is left to the periodic renewal.
+    pub(super) fn dispatch_upstream(&mut self, out: Outgoing, now: u64) {
+        let Outgoing { stream, policy, owner, leased_ms, request } = out;
+        let p = self.config.clone();
+        let p = p.policy(policy);
+        if let Some(owner) = owner {
+            if now.saturating_sub(leased_ms) >= p.lease_ms / 4 {
+                if let Some(answer) = self.store.renew(owner, p.lease_ms, now) {
+                    self.on_owner_answer(owner, answer);
+                }
+                if let Some(h) = self.holdings.get_mut(&owner.id) {
+                    h.renewed_ms = now;
+                }
+            }
+        }
+        let n = self.new_call_id();
+        self.calls.insert(n, Upstream { stream, policy, owner });
+        let request = CallRequest {
+            cluster: request.cluster,
+            headers: request.headers,
+            body: request.body,
+            timeout_ms: p.upstream_timeout_ms,
+        };
+        self.effects.push(Effect::Dispatch { call: CallId::Upstream(n), request });
+    }
+
+    /// No healthy host, unknown cluster: the call was not sent.
+    pub(super) fn upstream_not_sent(&mut self, n: u64, now: u64) {
+        let Some(call) = self.calls.remove(&n) else { return };
+        log::warn!("a detached call could not be sent");
+        self.no_answer(call, 503, "No upstream host could take the request", now);
+    }
+
+    fn no_answer(&mut self, call: Upstream, status: u16, reason: &str, now: u64) {
+        if let Some(owner) = call.owner {
+            self.release(owner, now);
+        }
+        self.count(Counter::UpstreamFailed);
+        let retry_after_s = self.policy(call.policy).retry_after_s;
+        self.problem(call.stream, Problem::upstream_failed(status, reason, retry_after_s));
+    }
+
+    /// A detached call's answer (in the root's event): store it, then answer the client if it
+    /// is still there.
+    pub(super) fn on_upstream_answer(&mut self, n: u64, answer: CallAnswer, now: u64) {
+        let Some(call) = self.calls.remove(&n) else { return };
+        let response = match classify(answer) {
+            Outcome::NoAnswer { status, reason } => {
+                log::debug!("detached call got no answer ({status}): released");
+                return self.no_answer(call, status, reason, now);
+            }
+            Outcome::Answer(response) => response,
+        };
+        let p = self.config.clone();
+        let p = p.policy(call.policy);
+        let response = Rc::new(response);
+        let response = match call.owner {
+            Some(owner) if p.release_statuses.contains(response.status()) => {
+                self.release(owner, now);
+                Some(response)
+            }
+            Some(owner) if response.stored_len() <= p.max_response_bytes => {
+                self.complete_then_answer(owner, call.stream, response, p.retention_s * 1000, now);
+                None
+            }
+            Some(owner) => {
+                self.complete(owner, None, p.retention_s * 1000, now);
+                Some(response)
+            }
+            None => Some(response),
+        };
+        if let Some(response) = response {
+            self.reply(call.stream, Reply::Stored { response, replayed: false });
+        }
+    }
+
+    /// Completes with the answer and sends it. A store that answers at once stores it first,
+    /// from the same bytes (the VM holds one copy); etcd sends it first (docs/limits.md).
+    fn complete_then_answer(
+        &mut self,
+        owner: Owner,
+        stream: u32,
+        response: Rc<StoredResponse>,
+        retention_ms: u64,
+        now: u64,
+    ) {
+        if !self.store.answers_at_once() {
+            self.reply(stream, Reply::Stored { response: response.clone(), replayed: false });
+            self.complete(owner, Some(response), retention_ms, now);
+            return;
+        }
+        if let Some(response) = self.complete(owner, Some(response), retention_ms, now) {
+            self.reply(stream, Reply::Stored { response, replayed: false });
+        }
+    }
+
+    pub(super) fn release(&mut self, owner: Owner, now: u64) {
+        self.holdings.remove(&owner.id);
+        if let Some(answer) = self.store.release(owner, now) {
+            self.on_owner_answer(owner, answer);
+        }
+    }
+
+    /// Completes; the response is handed back when the store is done with it.
+    pub(super) fn complete(
+        &mut self,
+        owner: Owner,
+        response: Option<Rc<StoredResponse>>,
+        retention_ms: u64,
+        now: u64,
+    ) -> Option<Rc<StoredResponse>> {
+        self.holdings.remove(&owner.id);
+        let answer = self.store.complete(owner, response, retention_ms, now)?;
+        self.on_owner_answer(owner, answer)
+    }
+
+    /// Router forwarding: the upstream's answer (or Envoy's stand-in for it) arrives.
+    pub fn on_response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool, now: u64) {
+        let Some(stream) = self.streams.get_mut(&id) else { return };
+        let Phase::Owner { owner, capture: None } = stream.phase else { return };
+        let policy = stream.policy;
+        let Some(owner) = owner else {
+            stream.phase = Phase::Pass; // forwarded without a claim
+            return;
+        };
+        let headers = host.response_headers();
+        let status = status_of(&headers);
+        // Only an answer the upstream really gave completes the key; Envoy's own (connect
+        // failure, reset, route timeout) says the work may not have happened (SPEC §4).
+        let via_upstream = host.property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");
+        let p = self.config.clone();
+        let p = p.policy(policy);
+        if !via_upstream || p.release_statuses.contains(status) {
+            if !via_upstream {
+                self.count(Counter::UpstreamFailed);
+            }
+            self.set_phase(id, Phase::Pass);
+            return self.release(owner, now);
+        }
+        let headers: Headers = headers.into_iter().filter(|(n, _)| !is_hop_by_hop(n)).collect();
+        let head = STORED_OVERHEAD + headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum::<usize>();
+        let kept =
+            (head <= p.max_response_bytes).then(|| self.buffered.reserve(head)).flatten().map(|r| (Vec::new(), r));
+        self.set_phase(id, Phase::Owner { owner: Some(owner), capture: Some(Capture { status, headers, kept }) });
+        if end_of_stream {
+            self.finish_capture(id, now);
+        }
+    }
+
+    pub fn on_response_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool, now: u64) {
+        let max = match self.streams.get(&id) {
+            Some(s) => self.config.policy(s.policy).max_response_bytes,
+            None => return,
+        };
+        let Some(stream) = self.streams.get_mut(&id) else { return };
+        let Phase::Owner { capture: Some(c), .. } = &mut stream.phase else { return };
+        if let Some((body, reservation)) = &mut c.kept {
+            // With Action::Continue each callback sees the current chunk: copy it as it
+            // passes, so storing never delays or buffers the response. Past the response
+            // limit or the worker's budget, stop copying: the answer passes on, unstored.
+            if reservation.bytes() + size <= max && reservation.grow(size) {
+                body.extend_from_slice(&host.response_body(size));
+            } else {
+                c.kept = None;
+            }
+        }
+        if end_of_stream {
+            self.finish_capture(id, now);
+        }
+    }
+
+    pub fn on_response_trailers(&mut self, id: u32, now: u64) {
+        self.finish_capture(id, now);
+    }
+
+    fn finish_capture(&mut self, id: u32, now: u64) {
+        let Some(stream) = self.streams.get_mut(&id) else { return };
+        if !matches!(stream.phase, Phase::Owner { owner: Some(_), capture: Some(_) }) {
+            return;
+        }
+        let Phase::Owner { owner: Some(owner), capture: Some(c) } = std::mem::replace(&mut stream.phase, Phase::Pass)
+        else {
+            return;
+        };
+        let retention_ms = self.config.policy(stream.policy).retention_s * 1000;
+        let response = c.kept.map(|(body, _reservation)| {
+            Rc::new(StoredResponse::new(c.status, c.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())), body))
+        });
+        self.complete(owner, response, retention_ms, now);
+    }
+}

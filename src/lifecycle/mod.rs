@@ -1,0 +1,353 @@
+//! The request's lifecycle (SPEC §3), sans I/O: events in (request headers, body, the upstream's
+//! answer, a store's answer, the timer, a stream's end), effects out (reply, resume, dispatch,
+//! count). One implementation for both stores and both forward modes: what differs between
+//! stores lives behind [`Store`]. It reads Envoy through [`Host`] during an event and the time
+//! from the caller. See ARCHITECTURE.md.
+
+mod answer;
+mod effect;
+mod forward;
+mod request;
+mod timer;
+mod waiting;
+
+#[cfg(test)]
+mod tests;
+
+pub use effect::{CallId, Effect, Reply};
+pub use forward::is_hop_by_hop;
+pub use request::Outbound;
+
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+
+use crate::budget::{Budget, Reservation};
+use crate::config::{Config, OnConflict, Policy};
+use crate::engine::Change;
+use crate::fingerprint::Fingerprint;
+use crate::host::{Flow, Host};
+use crate::key::StoreKey;
+use crate::metrics::{Counter, Gauge};
+use crate::problem::Problem;
+use crate::store::{CallRequest, Owner, Store};
+use request::{Covered, Pending};
+
+/// One VM's requests and their store. The adapter feeds it events and carries out what
+/// [`Lifecycle::take_effects`] returns.
+pub struct Lifecycle<S> {
+    config: Rc<Config>,
+    store: S,
+    /// Covered streams still open, by context id; a stream missing here is gone or not ours.
+    streams: HashMap<u32, Stream>,
+    /// Detached calls in flight.
+    calls: HashMap<u64, Upstream>,
+    /// Detached calls waiting for the root to send them.
+    outbox: VecDeque<Outgoing>,
+    /// Store calls waiting for the root (taken from the store during a stream's event).
+    store_calls: VecDeque<(u64, CallRequest)>,
+    /// Claims whose mark is renewed while their call lives, by owner id.
+    holdings: HashMap<u64, Holding>,
+    effects: Vec<Effect>,
+    /// Bytes buffered for requests in flight: router captures, held bodies.
+    buffered: Budget,
+    next_call: u64,
+    next_renewal_ms: u64,
+    scope_logged_ms: u64,
+    /// Whether this VM ever got a request body callback (SPEC §4).
+    body_seen: bool,
+    wake_sent: bool,
+    /// Streams held in wait mode (`max_waiters`).
+    waiting: usize,
+    tick_ms: u64,
+}
+
+struct Stream {
+    policy: usize,
+    phase: Phase,
+}
+
+enum Phase {
+    /// Nothing left to do (passed through, answered by the upstream).
+    Pass,
+    /// Covered: the body is coming; `since_ms` for the body-delivery check.
+    ReadingBody { pending: Box<Pending>, since_ms: u64 },
+    /// Waiting for the store's first answer (etcd).
+    Claiming(Box<Held>),
+    /// A duplicate held until the first call's outcome is known (wait mode).
+    Waiting(Box<Held>),
+    /// Router forwarding: we own the key and watch the upstream's answer.
+    Owner { owner: Option<Owner>, capture: Option<forward::Capture> },
+    /// Detached forwarding: the root sends the request and answers us.
+    Detached,
+    /// We answered locally; our own reply passes through our response callbacks.
+    Replied,
+}
+
+/// A covered request between its body and its claim's outcome.
+struct Held {
+    key: StoreKey,
+    fingerprint: Fingerprint,
+    /// Set when the request can be sent detached, should it become the owner.
+    outbound: Option<Outbound>,
+    /// Wait mode: when it stops waiting; when it asks the store again; whether it is asking.
+    wait_deadline_ms: Option<u64>,
+    next_poll_ms: u64,
+    polling: bool,
+    /// The buffer budget held by its body while it waits.
+    _buffered: Option<Reservation>,
+}
+
+struct Holding {
+    owner: Owner,
+    policy: usize,
+    renewed_ms: u64,
+}
+
+/// A detached call in flight.
+struct Upstream {
+    stream: u32,
+    policy: usize,
+    /// `None`: forwarded without a claim (`on_unavailable: "pass"`).
+    owner: Option<Owner>,
+}
+
+/// A detached call waiting for the root. `leased_ms`: when the owner's lease was last set.
+struct Outgoing {
+    stream: u32,
+    policy: usize,
+    owner: Option<Owner>,
+    leased_ms: u64,
+    request: Outbound,
+}
+
+/// Timer periods: renewal and retries want 50 ms; wait mode polls held requests on the same
+/// timer, so it wants 20 ms (SPEC §4).
+pub const TICK_MS: u64 = 50;
+pub const WAIT_TICK_MS: u64 = 20;
+
+impl<S: Store> Lifecycle<S> {
+    pub fn new(config: Config, store: S) -> Self {
+        let buffered = Budget::new(config.max_buffered_bytes);
+        let tick_ms = Self::tick_ms_for(&config);
+        Lifecycle {
+            config: Rc::new(config),
+            store,
+            streams: HashMap::new(),
+            calls: HashMap::new(),
+            outbox: VecDeque::new(),
+            store_calls: VecDeque::new(),
+            holdings: HashMap::new(),
+            effects: Vec::new(),
+            buffered,
+            next_call: 1,
+            next_renewal_ms: 0,
+            scope_logged_ms: 0,
+            body_seen: false,
+            wake_sent: false,
+            waiting: 0,
+            tick_ms,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The timer period this VM wants.
+    pub fn tick_ms(&self) -> u64 {
+        self.tick_ms
+    }
+
+    /// The timer period for `config`: wait mode polls held requests on it.
+    pub fn tick_ms_for(config: &Config) -> u64 {
+        if config.policies().any(|p| p.on_conflict == OnConflict::Wait) {
+            WAIT_TICK_MS
+        } else {
+            TICK_MS
+        }
+    }
+
+    /// What the events so far asked for, in order. Taken at once after each event: a local
+    /// reply re-enters the plugin, and the nested event's effects are carried out by it.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// Nothing in flight and nothing to retry: a root that is being replaced may end.
+    pub fn is_idle(&self) -> bool {
+        self.calls.is_empty() && self.outbox.is_empty() && self.store_calls.is_empty() && self.store.is_idle()
+    }
+
+    // --- stream events ------------------------------------------------------------------
+
+    /// Request headers: is the request covered, is its key valid; remember what the claim
+    /// needs. The claim itself waits for the body (it is part of the fingerprint).
+    pub fn on_request_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool, now: u64) -> Flow {
+        let config = self.config.clone();
+        let (policy, method) = request::policy_for(&config, host);
+        let p = config.policy(policy);
+        if !p.enabled || !p.methods.iter().any(|m| m.as_bytes() == method.as_slice()) {
+            return Flow::Continue;
+        }
+        let flow = match request::read_headers(&config, p, &method, host) {
+            Covered::No => Flow::Continue,
+            Covered::Refused(problem, counter) => {
+                self.count(counter);
+                self.streams.insert(id, Stream { policy, phase: Phase::Pass });
+                self.reply(id, Reply::Problem(problem));
+                Flow::Pause
+            }
+            Covered::Unscoped => {
+                self.count(Counter::ScopeMissing);
+                self.log_missing_scope(now);
+                Flow::Continue
+            }
+            Covered::Yes(pending) => {
+                if pending.scope_shared {
+                    self.count(Counter::ScopeMissing);
+                }
+                self.streams.insert(id, Stream { policy, phase: Phase::ReadingBody { pending, since_ms: now } });
+                if end_of_stream {
+                    self.claim(host, id, Vec::new(), now)
+                } else {
+                    Flow::Pause
+                }
+            }
+        };
+        self.after_stream_event();
+        flow
+    }
+
+    pub fn on_request_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool, now: u64) -> Flow {
+        let Some(stream) = self.streams.get(&id) else { return Flow::Continue };
+        if !matches!(stream.phase, Phase::ReadingBody { .. }) {
+            return Flow::Continue;
+        }
+        self.body_seen = true;
+        let max = self.config.policy(stream.policy).max_request_body_bytes;
+        let flow = if size > max {
+            self.count(Counter::TooLarge);
+            self.reply(id, Reply::Problem(Problem::body_too_large(max)));
+            Flow::Pause
+        } else if !end_of_stream {
+            Flow::Pause // Envoy buffers the body until its end
+        } else {
+            self.claim(host, id, host.request_body(size), now)
+        };
+        self.after_stream_event();
+        flow
+    }
+
+    /// Trailers end the request: the body, if any, is buffered.
+    pub fn on_request_trailers(&mut self, host: &dyn Host, id: u32, now: u64) -> Flow {
+        let Some(stream) = self.streams.get(&id) else { return Flow::Continue };
+        if !matches!(stream.phase, Phase::ReadingBody { .. }) {
+            return Flow::Continue;
+        }
+        let max = self.config.policy(stream.policy).max_request_body_bytes;
+        let flow = self.claim(host, id, host.request_body(max), now);
+        self.after_stream_event();
+        flow
+    }
+
+    /// The stream ended. A router owner whose client left before the answer: the outcome is
+    /// unknown, so its mark is no longer renewed and expires (SPEC §3.5). A detached call
+    /// goes on.
+    pub fn on_stream_done(&mut self, id: u32) {
+        let Some(stream) = self.streams.remove(&id) else { return };
+        match stream.phase {
+            Phase::Owner { owner: Some(owner), .. } => {
+                self.holdings.remove(&owner.id);
+                self.store.forget(owner);
+            }
+            Phase::Waiting(_) => self.waiting -= 1, // the client left: nothing to release
+            _ => {}
+        }
+    }
+
+    // --- helpers --------------------------------------------------------------------------
+
+    fn policy(&self, index: usize) -> &Policy {
+        self.config.policy(index)
+    }
+
+    fn count(&mut self, counter: Counter) {
+        self.count_n(counter, 1);
+    }
+
+    fn count_n(&mut self, counter: Counter, n: u32) {
+        if n > 0 {
+            self.effects.push(Effect::Count { counter, n });
+        }
+    }
+
+    /// Shows what a store operation changed: gauges, evictions, expired marks.
+    fn apply(&mut self, change: &Change) {
+        let gauges = [
+            (Gauge::InProgress, change.in_progress),
+            (Gauge::Completed, change.completed),
+            (Gauge::StoredBytes, change.bytes),
+        ];
+        for (gauge, delta) in gauges {
+            if delta != 0 {
+                self.effects.push(Effect::AddGauge { gauge, delta });
+            }
+        }
+        self.count_n(Counter::Evicted, change.evicted);
+        self.count_n(Counter::Expired, change.expired_marks);
+    }
+
+    /// Answers `id` locally, if its stream is still open (SPEC §4: a reply to a stream Envoy
+    /// has reset would re-enter a context the SDK has dropped).
+    fn reply(&mut self, id: u32, reply: Reply) {
+        if self.streams.contains_key(&id) {
+            self.set_phase(id, Phase::Replied);
+            self.effects.push(Effect::Reply { stream: id, reply });
+        }
+    }
+
+    /// Moves a stream to `phase`, keeping the count of held requests.
+    fn set_phase(&mut self, id: u32, phase: Phase) {
+        let Some(stream) = self.streams.get_mut(&id) else { return };
+        let was_waiting = matches!(stream.phase, Phase::Waiting(_));
+        let waits = matches!(phase, Phase::Waiting(_));
+        stream.phase = phase;
+        self.waiting = self.waiting + usize::from(waits) - usize::from(was_waiting);
+    }
+
+    fn problem(&mut self, id: u32, problem: Problem) {
+        self.reply(id, Reply::Problem(problem));
+    }
+
+    fn log_missing_scope(&mut self, now: u64) {
+        const EVERY_MS: u64 = 60_000;
+        if now >= self.scope_logged_ms {
+            self.scope_logged_ms = now + EVERY_MS;
+            log::warn!(
+                "a covered request carries none of its scope (scope_headers, scope_peer, scope_jwt_claim): passed on without idempotency (missing_scope: pass; logged once a minute)"
+            );
+        }
+    }
+
+    /// A stream's event queued calls for the root: wake it (once until it runs).
+    fn after_stream_event(&mut self) {
+        while let Some(call) = self.store.poll_call() {
+            self.store_calls.push_back(call);
+        }
+        let work = !self.outbox.is_empty() || !self.store_calls.is_empty();
+        if work && !self.wake_sent {
+            self.wake_sent = true;
+            self.effects.push(Effect::WakeRoot);
+        }
+    }
+
+    fn new_call_id(&mut self) -> u64 {
+        let id = self.next_call;
+        self.next_call += 1;
+        id
+    }
+}

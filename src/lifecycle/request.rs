@@ -1,0 +1,132 @@
+//! A covered request, from its headers (SPEC §3.1): the key, the caller's scope, the store
+//! key, the fingerprint so far, and what the root needs to send it itself.
+
+use crate::config::{Config, Forward, MissingScope, Policy, RouteMatch};
+use crate::fingerprint::FingerprintBuilder;
+use crate::host::{Headers, Host};
+use crate::key::{parse_key, StoreKey};
+use crate::metrics::Counter;
+use crate::problem::Problem;
+
+/// A covered request whose body is still coming.
+pub struct Pending {
+    pub key: StoreKey,
+    pub fingerprint: FingerprintBuilder,
+    /// The request's headers, kept when the root may have to send it (detached forwarding).
+    pub headers: Option<Headers>,
+    /// Its scope was absent and `missing_scope: "share"` put it in the anonymous scope.
+    pub scope_shared: bool,
+}
+
+/// What the request headers say.
+pub enum Covered {
+    /// Not for the plugin: passes through untouched.
+    No,
+    /// Answered at once (400, 401), counted.
+    Refused(Problem, Counter),
+    /// Configured scope absent, `missing_scope: "pass"`: passes through, counted.
+    Unscoped,
+    Yes(Box<Pending>),
+}
+
+/// The policy (base or rule) for a request: its method, path and route name decide.
+pub fn policy_for(config: &Config, host: &dyn Host) -> (usize, Vec<u8>) {
+    // Requests we do not cover cost one header lookup (two or three with route rules).
+    let method = host.request_header(":method").unwrap_or_default();
+    if config.rules.is_empty() {
+        return (0, method);
+    }
+    let path = host.request_header(":path").unwrap_or_default();
+    let by_route = config.rules.iter().any(|r| matches!(r.matcher, RouteMatch::RouteName(_)));
+    let route_name = if by_route { host.property(&["xds", "route_name"]) } else { None };
+    (config.policy_for(&path, &method, route_name.as_deref()), method)
+}
+
+/// Reads a covered method's headers: the key, the scope, the fingerprint's start.
+pub fn read_headers(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host) -> Covered {
+    let headers = host.request_headers();
+    let value_of = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
+    let mut keys = headers.iter().filter(|(n, _)| *n == policy.key_header);
+    let raw_key = match (keys.next(), keys.next()) {
+        (None, _) if policy.require_key => {
+            return Covered::Refused(Problem::missing_key(&policy.key_header), Counter::MissingKey)
+        }
+        (None, _) => return Covered::No,
+        (Some(_), Some(_)) => {
+            return Covered::Refused(Problem::duplicate_key_header(&policy.key_header), Counter::InvalidKey)
+        }
+        (Some((_, v)), None) => v,
+    };
+    let client_key = match parse_key(raw_key, policy.max_key_length) {
+        Ok(k) => k,
+        Err(e) => return Covered::Refused(Problem::invalid_key(e.detail(policy.max_key_length)), Counter::InvalidKey),
+    };
+    let scopes = scope_values(policy, &headers, host);
+    // No caller to scope the key by (SPEC §3.1): `missing_scope` decides.
+    let scope_shared = !scopes.is_empty() && scopes.iter().all(Option::is_none);
+    if scope_shared {
+        match policy.missing_scope {
+            MissingScope::Pass => return Covered::Unscoped,
+            MissingScope::Reject => return Covered::Refused(Problem::scope_missing(), Counter::ScopeMissing),
+            MissingScope::Share => {}
+        }
+    }
+    let scope_refs: Vec<Option<&[u8]>> = scopes.iter().map(|s| s.as_deref()).collect();
+    let authority = value_of(":authority").unwrap_or_default();
+    let key = StoreKey::derive(&config.namespace, authority, &scope_refs, &client_key);
+    let mut fingerprint = FingerprintBuilder::new(method, value_of(":path").unwrap_or_default());
+    for name in &policy.fingerprint_headers {
+        fingerprint.header(name, headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()));
+    }
+    let headers = (policy.forward == Forward::Detached).then_some(headers);
+    Covered::Yes(Box::new(Pending { key, fingerprint, headers, scope_shared }))
+}
+
+/// The values that scope the key to a caller: configured headers (all their values), the
+/// mTLS peer, a verified JWT claim. `None`: that one is absent.
+fn scope_values(policy: &Policy, headers: &Headers, host: &dyn Host) -> Vec<Option<Vec<u8>>> {
+    let mut scopes: Vec<Option<Vec<u8>>> = policy
+        .scope_headers
+        .iter()
+        .map(|name| {
+            let values: Vec<&[u8]> = headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()).collect();
+            (!values.is_empty()).then(|| values.join(&0u8))
+        })
+        .collect();
+    if policy.scope_peer {
+        let peer = host
+            .property(&["connection", "uri_san_peer_certificate"])
+            .filter(|v| !v.is_empty())
+            .or_else(|| host.property(&["source", "principal"]).filter(|v| !v.is_empty()));
+        scopes.push(peer);
+    }
+    if let Some(jwt) = &policy.scope_jwt_claim {
+        let path =
+            ["metadata", "filter_metadata", "envoy.filters.http.jwt_authn", jwt.payload.as_str(), jwt.claim.as_str()];
+        scopes.push(host.property(&path).filter(|v| !v.is_empty()));
+    }
+    scopes
+}
+
+/// A covered request as the root sends it upstream itself (detached forwarding).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outbound {
+    pub cluster: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+/// The request as the root would send it, if it can: detached forwarding applies (`headers`
+/// kept), the route names a cluster and every header value is UTF-8 (`dispatch_http_call`
+/// takes `&str`). Otherwise the router sends it, so nothing is altered. Read in the stream's
+/// own event: the route's cluster is a property of the stream.
+pub fn outbound(host: &dyn Host, headers: Option<Headers>, body: Vec<u8>) -> Option<Outbound> {
+    let headers = headers?;
+    let cluster = String::from_utf8(host.property(&["xds", "cluster_name"])?).ok()?;
+    if cluster.is_empty() {
+        return None;
+    }
+    let headers =
+        headers.into_iter().map(|(n, v)| Some((n, String::from_utf8(v).ok()?))).collect::<Option<Vec<_>>>()?;
+    Some(Outbound { cluster, headers, body })
+}

@@ -1,0 +1,437 @@
+//! The lifecycle natively: a fake host, the shared-data store over an in-memory map with
+//! Envoy's semantics, a fake clock, and many requests interleaved.
+
+use std::rc::Rc;
+
+use super::*;
+use crate::config::Config;
+use crate::engine::{Layout, Table};
+use crate::metrics::Counter;
+use crate::store::memory::MemoryKv;
+use crate::store::shared::SharedStore;
+
+/// What Envoy would hand the plugin for the current stream or call.
+#[derive(Default, Clone)]
+struct FakeHost {
+    request: Headers,
+    body: Vec<u8>,
+    response: Headers,
+    response_body: Vec<u8>,
+    code_details: Option<&'static str>,
+    call_headers: Headers,
+    call_body: Vec<u8>,
+}
+
+type Headers = Vec<(String, Vec<u8>)>;
+
+impl Host for FakeHost {
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+    fn request_headers(&self) -> Headers {
+        self.request.clone()
+    }
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        self.body.iter().take(size).copied().collect()
+    }
+    fn response_headers(&self) -> Headers {
+        self.response.clone()
+    }
+    fn response_body(&self, size: usize) -> Vec<u8> {
+        self.response_body.iter().take(size).copied().collect()
+    }
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        match path {
+            ["xds", "cluster_name"] => Some(b"upstream".to_vec()),
+            ["response", "code_details"] => self.code_details.map(|d| d.as_bytes().to_vec()),
+            _ => None,
+        }
+    }
+    fn call_headers(&self) -> Headers {
+        self.call_headers.clone()
+    }
+    fn call_body(&self, size: usize) -> Vec<u8> {
+        self.call_body.iter().take(size).copied().collect()
+    }
+}
+
+fn headers(pairs: &[(&str, &str)]) -> Headers {
+    pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+}
+
+fn post(key: &str, body: &str) -> FakeHost {
+    let request = headers(&[
+        (":method", "POST"),
+        (":path", "/pay"),
+        (":authority", "api"),
+        ("authorization", "Bearer t"),
+        ("content-type", "application/json"),
+        ("idempotency-key", key),
+    ]);
+    FakeHost { request, body: body.as_bytes().to_vec(), ..FakeHost::default() }
+}
+
+type Shared = SharedStore<&'static MemoryKv>;
+
+fn lifecycle(config: &str) -> Lifecycle<Shared> {
+    let config = Config::parse(config.as_bytes()).unwrap();
+    let kv: &'static MemoryKv = Box::leak(Box::new(MemoryKv::new()));
+    let table = Table::new(kv, Layout::new(&config.namespace, config.capacity, config.max_store_bytes));
+    table.create().unwrap();
+    let tick = Lifecycle::<Shared>::tick_ms_for(&config);
+    Lifecycle::new(config, SharedStore::new(table, tick, 0))
+}
+
+/// A whole request on stream `id`: headers, then the body.
+fn send<S: Store>(l: &mut Lifecycle<S>, id: u32, host: &FakeHost, now: u64) -> (Flow, Vec<Effect>) {
+    assert_eq!(l.on_request_headers(host, id, false, now), Flow::Pause);
+    let flow = l.on_request_body(host, id, host.body.len(), true, now);
+    (flow, l.take_effects())
+}
+
+fn dispatched(effects: &[Effect]) -> Vec<(CallId, CallRequest)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Dispatch { call, request } => Some((*call, request.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn replies(effects: &[Effect]) -> Vec<(u32, Reply)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Reply { stream, reply } => Some((*stream, reply.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn count(effects: &[Effect], counter: Counter) -> u32 {
+    effects
+        .iter()
+        .map(|e| {
+            if let Effect::Count { counter: c, n } = e {
+                if *c == counter {
+                    *n
+                } else {
+                    0
+                }
+            } else {
+                0
+            }
+        })
+        .sum()
+}
+
+fn upstream_answer(status: &str, body: &str) -> FakeHost {
+    FakeHost {
+        call_headers: headers(&[
+            (":status", status),
+            ("x-envoy-upstream-service-time", "1"),
+            ("content-type", "text/plain"),
+        ]),
+        call_body: body.as_bytes().to_vec(),
+        ..FakeHost::default()
+    }
+}
+
+fn status_of(reply: &Reply) -> u16 {
+    match reply {
+        Reply::Problem(p) => p.status,
+        Reply::Stored { response, .. } => response.status(),
+    }
+}
+
+fn body_of(reply: &Reply) -> Vec<u8> {
+    match reply {
+        Reply::Problem(p) => p.body(),
+        Reply::Stored { response, .. } => response.body().to_vec(),
+    }
+}
+
+fn is_replay(reply: &Reply) -> bool {
+    matches!(reply, Reply::Stored { replayed: true, .. })
+}
+
+/// Sends the detached call the root has queued and answers it; the effects of the answer.
+fn answer_detached<S: Store>(l: &mut Lifecycle<S>, answer: &FakeHost, now: u64) -> Vec<Effect> {
+    l.on_wake(now);
+    let calls = dispatched(&l.take_effects());
+    assert_eq!(calls.len(), 1, "one detached call");
+    let (call, _) = calls[0].clone();
+    l.on_call_answer(answer, call, !answer.call_headers.is_empty(), answer.call_body.len(), now);
+    l.take_effects()
+}
+
+#[test]
+fn detached_first_call_is_sent_by_the_root_stored_then_replayed() {
+    let mut l = lifecycle("{}");
+    let (flow, effects) = send(&mut l, 1, &post("k", "{}"), 0);
+    assert_eq!(flow, Flow::Pause);
+    assert!(effects.contains(&Effect::WakeRoot));
+    assert_eq!(count(&effects, Counter::Claimed), 1);
+    l.on_wake(1);
+    let calls = dispatched(&l.take_effects());
+    let (call, request) = calls[0].clone();
+    assert_eq!(request.cluster, "upstream");
+    assert!(request.headers.contains(&("idempotency-key".into(), "k".into())));
+    assert_eq!(request.body, b"{}");
+    l.on_call_answer(&upstream_answer("201", "made"), call, true, 4, 2);
+    let effects = l.take_effects();
+    let sent = replies(&effects);
+    assert_eq!(sent.len(), 1);
+    assert_eq!((sent[0].0, status_of(&sent[0].1), body_of(&sent[0].1)), (1, 201, b"made".to_vec()));
+    assert!(!is_replay(&sent[0].1));
+    assert_eq!(count(&effects, Counter::Completed), 1);
+    l.on_stream_done(1);
+
+    let (_, effects) = send(&mut l, 2, &post("k", "{}"), 3);
+    let sent = replies(&effects);
+    assert!(is_replay(&sent[0].1) && body_of(&sent[0].1) == b"made");
+    assert!(l.is_idle());
+}
+
+#[test]
+fn router_first_call_is_captured_as_it_passes_then_replayed() {
+    let mut l = lifecycle(r#"{"forward":"router"}"#);
+    let (flow, _) = send(&mut l, 1, &post("k", "{}"), 0);
+    assert_eq!(flow, Flow::Continue);
+    let answer = FakeHost {
+        response: headers(&[(":status", "201"), ("content-type", "text/plain"), ("content-length", "4")]),
+        response_body: b"made".to_vec(),
+        code_details: Some("via_upstream"),
+        ..FakeHost::default()
+    };
+    l.on_response_headers(&answer, 1, false, 1);
+    l.on_response_body(&answer, 1, 4, true, 2);
+    assert_eq!(count(&l.take_effects(), Counter::Completed), 1);
+    let (_, effects) = send(&mut l, 2, &post("k", "{}"), 3);
+    let sent = replies(&effects);
+    assert!(is_replay(&sent[0].1) && body_of(&sent[0].1) == b"made");
+}
+
+#[test]
+fn router_answers_envoy_made_up_release_the_key() {
+    let mut l = lifecycle(r#"{"forward":"router"}"#);
+    send(&mut l, 1, &post("k", "{}"), 0);
+    let reset = FakeHost {
+        response: headers(&[(":status", "503")]),
+        code_details: Some("upstream_reset_before_response_started{connection_failure}"),
+        ..FakeHost::default()
+    };
+    l.on_response_headers(&reset, 1, true, 1);
+    let effects = l.take_effects();
+    assert_eq!((count(&effects, Counter::UpstreamFailed), count(&effects, Counter::Released)), (1, 1));
+    let (flow, _) = send(&mut l, 2, &post("k", "{}"), 2);
+    assert_eq!(flow, Flow::Continue, "released: the retry does the work");
+}
+
+#[test]
+fn duplicates_in_progress_get_409_and_a_failure_releases() {
+    let mut l = lifecycle("{}");
+    send(&mut l, 1, &post("k", "{}"), 0);
+    let (_, effects) = send(&mut l, 2, &post("k", "{}"), 1);
+    let sent = replies(&effects);
+    assert_eq!(status_of(&sent[0].1), 409);
+    assert_eq!(count(&effects, Counter::Conflict), 1);
+    let (_, other) = send(&mut l, 3, &post("k", r#"{"other":1}"#), 1);
+    assert_eq!(status_of(&replies(&other)[0].1), 422);
+    let effects = answer_detached(&mut l, &upstream_answer("503", "busy"), 2);
+    assert_eq!(count(&effects, Counter::Released), 1);
+    assert_eq!(status_of(&replies(&effects)[0].1), 503, "the upstream's own answer passes on");
+    let (_, effects) = send(&mut l, 4, &post("k", "{}"), 3);
+    assert_eq!(count(&effects, Counter::Claimed), 1);
+}
+
+#[test]
+fn no_answer_from_the_upstream_releases_and_answers_a_problem() {
+    let mut l = lifecycle("{}");
+    send(&mut l, 1, &post("k", "{}"), 0);
+    let broken = FakeHost::default(); // no headers at all
+    let effects = answer_detached(&mut l, &broken, 1);
+    let sent = replies(&effects);
+    assert_eq!(status_of(&sent[0].1), 502);
+    assert_eq!((count(&effects, Counter::UpstreamFailed), count(&effects, Counter::Released)), (1, 1));
+    // A call that could not even be sent: 503, released.
+    send(&mut l, 2, &post("k2", "{}"), 2);
+    l.on_wake(2);
+    let (call, _) = dispatched(&l.take_effects())[0].clone();
+    l.on_call_failed(call, 3);
+    let effects = l.take_effects();
+    assert_eq!(status_of(&replies(&effects)[0].1), 503);
+    assert_eq!(count(&effects, Counter::Released), 1);
+}
+
+#[test]
+fn wait_mode_holds_a_duplicate_and_answers_it_with_the_replay() {
+    let mut l = lifecycle(r#"{"on_conflict":"wait"}"#);
+    send(&mut l, 1, &post("k", "{}"), 0);
+    l.on_wake(0);
+    let (call, _) = dispatched(&l.take_effects())[0].clone();
+    let (flow, effects) = send(&mut l, 2, &post("k", "{}"), 1);
+    assert_eq!(flow, Flow::Pause);
+    assert!(replies(&effects).is_empty());
+    assert_eq!(count(&effects, Counter::Waited), 1);
+    l.on_tick(20);
+    assert!(replies(&l.take_effects()).is_empty(), "still in progress");
+    let answer = upstream_answer("201", "made");
+    l.on_call_answer(&answer, call, true, 4, 30);
+    assert_eq!(replies(&l.take_effects()).len(), 1, "the first call's own answer");
+    l.on_tick(40);
+    let sent = replies(&l.take_effects());
+    assert_eq!(sent.len(), 1);
+    assert!(sent[0].0 == 2 && is_replay(&sent[0].1));
+}
+
+#[test]
+fn wait_mode_gives_409_after_wait_max_ms_and_409_at_once_past_the_buffer_budget() {
+    let mut l = lifecycle(r#"{"on_conflict":"wait","wait_max_ms":100,"max_buffered_bytes":10}"#);
+    send(&mut l, 1, &post("k", "{}"), 0);
+    send(&mut l, 2, &post("k", "{}"), 1);
+    l.on_tick(50);
+    assert!(replies(&l.take_effects()).is_empty());
+    l.on_tick(120);
+    let sent = replies(&l.take_effects());
+    assert_eq!((sent[0].0, status_of(&sent[0].1)), (2, 409));
+    // A body larger than the budget is not held.
+    let big = "x".repeat(11);
+    send(&mut l, 3, &post("big", &big), 130);
+    let (_, effects) = send(&mut l, 4, &post("big", &big), 131);
+    assert_eq!(status_of(&replies(&effects)[0].1), 409);
+}
+
+/// Defect: a request with trailers and no body was claimed from the trailers callback, but
+/// its body-arrival guard was never cleared: 3 s later the "misconfigured" 500 went onto a
+/// stream already upstream (and in router mode that 500 released the key).
+#[test]
+fn a_request_claimed_from_its_trailers_is_not_taken_for_a_missing_body() {
+    let mut l = lifecycle(r#"{"forward":"router"}"#);
+    let host = post("k", "");
+    assert_eq!(l.on_request_headers(&host, 1, false, 0), Flow::Pause);
+    assert_eq!(l.on_request_trailers(&host, 1, 0), Flow::Continue);
+    l.take_effects();
+    l.on_tick(4_000);
+    assert!(replies(&l.take_effects()).is_empty(), "a 500 onto a stream already upstream");
+    // The guard itself: a request whose body never comes gets the 500 naming the setting.
+    assert_eq!(l.on_request_headers(&post("k2", ""), 2, false, 5_000), Flow::Pause);
+    l.on_tick(8_001);
+    let sent = replies(&l.take_effects());
+    assert_eq!((sent[0].0, status_of(&sent[0].1)), (2, 500));
+}
+
+/// Defect: a configuration update tore down the old root while its detached calls were in
+/// flight; their results were lost. A root now ends only once the lifecycle is idle.
+#[test]
+fn the_lifecycle_is_idle_only_when_its_calls_are_done() {
+    let mut l = lifecycle("{}");
+    assert!(l.is_idle());
+    send(&mut l, 1, &post("k", "{}"), 0);
+    assert!(!l.is_idle(), "a call waits for the root");
+    l.on_wake(1);
+    let (call, _) = dispatched(&l.take_effects())[0].clone();
+    assert!(!l.is_idle(), "a call is in flight");
+    l.on_stream_done(1); // the client left; the call goes on
+    l.on_call_answer(&upstream_answer("201", "made"), call, true, 4, 2);
+    assert!(l.is_idle());
+    let effects = l.take_effects();
+    assert!(replies(&effects).is_empty(), "nobody to answer");
+    assert_eq!(count(&effects, Counter::Completed), 1, "the result is stored all the same");
+}
+
+#[test]
+fn a_router_owner_whose_client_left_is_no_longer_renewed() {
+    let mut l = lifecycle(r#"{"forward":"router","lease_ms":1000}"#);
+    send(&mut l, 1, &post("k", "{}"), 0);
+    l.on_stream_done(1);
+    // Its mark expires after lease_ms: then the key is processed again.
+    for t in (50..1_000).step_by(50) {
+        l.on_tick(t);
+    }
+    let (_, effects) = send(&mut l, 2, &post("k", "{}"), 999);
+    assert_eq!(status_of(&replies(&effects)[0].1), 409);
+    let (flow, effects) = send(&mut l, 3, &post("k", "{}"), 1_001);
+    assert_eq!((flow, count(&effects, Counter::ExpiredTakeover)), (Flow::Continue, 1));
+}
+
+#[test]
+fn a_live_owner_is_renewed_past_its_lease() {
+    let mut l = lifecycle(r#"{"forward":"router","lease_ms":1000}"#);
+    send(&mut l, 1, &post("k", "{}"), 0);
+    for t in (50..5_000).step_by(50) {
+        l.on_tick(t);
+    }
+    let (_, effects) = send(&mut l, 2, &post("k", "{}"), 5_000);
+    assert_eq!(status_of(&replies(&effects)[0].1), 409, "a live call's mark expired");
+}
+
+#[test]
+fn many_interleaved_duplicates_claim_once() {
+    let mut l = lifecycle("{}");
+    let host = post("k", "{}");
+    for id in 1..=50 {
+        assert_eq!(l.on_request_headers(&host, id, false, 0), Flow::Pause);
+    }
+    for id in (1..=50).rev() {
+        l.on_request_body(&host, id, 2, true, 1);
+    }
+    let effects = l.take_effects();
+    assert_eq!((count(&effects, Counter::Claimed), count(&effects, Counter::Conflict)), (1, 49));
+    assert!(replies(&effects).iter().all(|(id, r)| *id != 50 && status_of(r) == 409));
+}
+
+#[test]
+fn keys_scopes_and_sizes_are_checked_before_the_claim() {
+    let mut l = lifecycle(r#"{"require_key":true,"max_request_body_bytes":4}"#);
+    let mut no_key = post("k", "{}");
+    no_key.request.retain(|(n, _)| n != "idempotency-key");
+    assert_eq!(l.on_request_headers(&no_key, 1, false, 0), Flow::Pause);
+    let mut bad = post("bad key", "{}");
+    assert_eq!(l.on_request_headers(&bad, 2, false, 0), Flow::Pause);
+    bad.request.push(("idempotency-key".into(), b"again".to_vec()));
+    assert_eq!(l.on_request_headers(&bad, 3, false, 0), Flow::Pause);
+    l.on_request_headers(&post("k", "too long"), 4, false, 0);
+    l.on_request_body(&post("k", "too long"), 4, 8, true, 0);
+    let statuses: Vec<u16> = replies(&l.take_effects()).iter().map(|(_, r)| status_of(r)).collect();
+    assert_eq!(statuses, vec![400, 400, 400, 413]);
+    let mut get = post("k", "");
+    get.request[0].1 = b"GET".to_vec();
+    assert_eq!(l.on_request_headers(&get, 5, true, 0), Flow::Continue, "not covered");
+}
+
+#[test]
+fn missing_scope_pass_reject_share() {
+    let mut anonymous = post("k", "{}");
+    anonymous.request.retain(|(n, _)| n != "authorization");
+    let mut pass = lifecycle("{}");
+    assert_eq!(pass.on_request_headers(&anonymous, 1, false, 0), Flow::Continue);
+    assert_eq!(count(&pass.take_effects(), Counter::ScopeMissing), 1);
+    let mut reject = lifecycle(r#"{"missing_scope":"reject"}"#);
+    reject.on_request_headers(&anonymous, 1, false, 0);
+    assert_eq!(status_of(&replies(&reject.take_effects())[0].1), 401);
+    let mut share = lifecycle(r#"{"missing_scope":"share"}"#);
+    let (_, effects) = send(&mut share, 1, &anonymous, 0);
+    assert_eq!((count(&effects, Counter::Claimed), count(&effects, Counter::ScopeMissing)), (1, 1));
+}
+
+#[test]
+fn one_replay_serves_many_waiters_without_a_copy_each() {
+    let mut l = lifecycle(r#"{"on_conflict":"wait"}"#);
+    send(&mut l, 1, &post("k", "{}"), 0);
+    for id in 2..=10 {
+        send(&mut l, id, &post("k", "{}"), 1);
+    }
+    answer_detached(&mut l, &upstream_answer("201", "made"), 2);
+    l.on_tick(20);
+    let sent = replies(&l.take_effects());
+    assert_eq!(sent.len(), 9);
+    let first = match &sent[0].1 {
+        Reply::Stored { response, .. } => response.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert!(sent
+        .iter()
+        .all(|(_, r)| matches!(r, Reply::Stored { response, replayed: true } if Rc::ptr_eq(response, &first))));
+}

@@ -1,0 +1,106 @@
+//! Wait mode (SPEC §3.3, `on_conflict: "wait"`): duplicates held at the gateway until the
+//! first call's outcome is known. The timer asks the store once per distinct request; the
+//! answer goes to every waiter of it, and a claim to the first one only.
+
+use super::answer::{LazyOutbound, Next};
+use super::{Effect, Lifecycle, Phase};
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
+use crate::metrics::Counter;
+use crate::problem::Problem;
+use crate::store::{Answer, Began, Claim, For, Store};
+
+impl<S: Store> Lifecycle<S> {
+    /// From the timer: each distinct held request that is due asks the store again.
+    pub(super) fn poll_waiters(&mut self, now: u64) {
+        if self.waiting == 0 {
+            return;
+        }
+        let mut asked: Vec<(StoreKey, Fingerprint)> = Vec::new();
+        let mut due: Vec<(u32, Claim)> = Vec::new();
+        for (id, stream) in &mut self.streams {
+            let Phase::Waiting(held) = &mut stream.phase else { continue };
+            if held.polling || now < held.next_poll_ms {
+                continue;
+            }
+            held.polling = true;
+            if !asked.contains(&(held.key, held.fingerprint)) {
+                asked.push((held.key, held.fingerprint));
+                let lease_ms = self.config.policy(stream.policy).lease_ms;
+                due.push((*id, Claim { key: held.key, fingerprint: held.fingerprint, lease_ms }));
+            }
+        }
+        for (id, claim) in due {
+            match self.store.begin(For::Stream(id), &claim, now) {
+                Some(Answer::Began(began)) => self.on_poll_answer(id, began, now),
+                Some(other) => log::warn!("unexpected store answer to a held request: {other:?}"),
+                None => {} // comes later, as a claim answer for this stream
+            }
+        }
+    }
+
+    /// The store's answer for the held request of `asker`: to every waiter of that request
+    /// that was asking.
+    pub(super) fn on_poll_answer(&mut self, asker: u32, began: Began, now: u64) {
+        let Some((key, fingerprint)) = self.held_request(asker) else { return };
+        if !matches!(began, Began::InProgress) {
+            log::debug!("waiter {asker} key {} -> {}", key.short(), super::answer::describe(&began));
+        }
+        let mut group: Vec<u32> = self
+            .streams
+            .iter()
+            .filter(|(_, s)| matches!(&s.phase, Phase::Waiting(h) if h.polling && h.key == key && h.fingerprint == fingerprint))
+            .map(|(id, _)| *id)
+            .collect();
+        group.sort_unstable(); // the oldest stream first
+        if let Began::Claimed { .. } = began {
+            // The first waiter becomes the first call; the others wait for it.
+            group.retain(|id| *id != asker);
+            self.decide_waiter(asker, began, now);
+            return self.still_in_progress(&group, now);
+        }
+        if let Began::InProgress = began {
+            return self.still_in_progress(&group, now);
+        }
+        // Completed, mismatched, failed, unavailable: every waiter gets the same answer (a
+        // replay is shared, not copied per waiter).
+        for id in group {
+            self.decide_waiter(id, began.clone(), now);
+        }
+    }
+
+    fn held_request(&self, id: u32) -> Option<(StoreKey, Fingerprint)> {
+        match &self.streams.get(&id)?.phase {
+            Phase::Waiting(h) => Some((h.key, h.fingerprint)),
+            _ => None,
+        }
+    }
+
+    /// A held request stops waiting: it becomes the first call (the root sends it, or it goes
+    /// on through the router), or it is answered.
+    fn decide_waiter(&mut self, id: u32, began: Began, now: u64) {
+        let Some(stream) = self.streams.get_mut(&id) else { return };
+        let Phase::Waiting(held) = std::mem::replace(&mut stream.phase, Phase::Pass) else { return };
+        self.waiting -= 1;
+        if let Next::Router = self.decide(id, held, began, &mut LazyOutbound::none(), now) {
+            self.effects.push(Effect::Resume { stream: id });
+        }
+    }
+
+    /// Still in progress: wait again, or 409 once `wait_max_ms` has passed.
+    fn still_in_progress(&mut self, ids: &[u32], now: u64) {
+        let poll_ms = self.store.wait_poll_ms();
+        for id in ids {
+            let Some(stream) = self.streams.get_mut(id) else { continue };
+            let retry_after_s = self.config.policy(stream.policy).retry_after_s;
+            let Phase::Waiting(held) = &mut stream.phase else { continue };
+            if held.wait_deadline_ms.is_some_and(|d| now < d) {
+                held.polling = false;
+                held.next_poll_ms = now.saturating_add(poll_ms);
+                continue;
+            }
+            self.count(Counter::Conflict);
+            self.problem(*id, Problem::in_progress(retry_after_s));
+        }
+    }
+}

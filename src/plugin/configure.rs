@@ -1,0 +1,65 @@
+//! `on_configure`: the configuration parsed once, the table created (by the base VM, before
+//! any worker serves: SPEC §4), the store and the lifecycle built, the queue registered.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+
+use super::hostcalls::{self, SharedData};
+use super::vm::{AnyLifecycle, Vm};
+use crate::config::{Config, Forward, StoreConfig};
+use crate::engine::{Layout, Table};
+use crate::lifecycle::Lifecycle;
+use crate::store::etcd::EtcdStore;
+use crate::store::shared::SharedStore;
+use crate::store::Store;
+
+/// A random number from the host's randomness (WASI).
+fn random() -> u64 {
+    RandomState::new().build_hasher().finish()
+}
+
+/// The VM of a root context, or why not (logged: Envoy then refuses the configuration).
+pub fn configure(root_id: u32) -> Result<Vm, String> {
+    let config = Config::parse(&hostcalls::plugin_configuration()).map_err(|e| e.to_string())?;
+    let lifecycle = lifecycle(config)?;
+    let needs_queue = lifecycle.config().policies().any(|p| p.forward == Forward::Detached)
+        || matches!(lifecycle.config().store, StoreConfig::Etcd(_));
+    let namespace = lifecycle.config().namespace.clone();
+    let vm = Vm::new(lifecycle);
+    if needs_queue {
+        // One queue per root, under a name no other uses: the last VM to register a name
+        // receives all its notifications (SPEC §4).
+        let mut h = RandomState::new().build_hasher();
+        h.write_u32(root_id);
+        let name = format!("{namespace}:detached:{:016x}", h.finish());
+        vm.set_queue(hostcalls::register_queue(&name).ok_or_else(|| format!("cannot register shared queue {name}"))?);
+    }
+    Ok(vm)
+}
+
+fn lifecycle(config: Config) -> Result<AnyLifecycle, String> {
+    let tick_ms = Lifecycle::<Box<dyn Store>>::tick_ms_for(&config);
+    let store: Box<dyn Store> = match &config.store {
+        StoreConfig::SharedData => {
+            let layout = Layout::new(&config.namespace, config.capacity, config.max_store_bytes);
+            let table = Table::new(SharedData, layout);
+            // The base VM runs this first: it creates the table; workers find it.
+            if table.create().map_err(|e| format!("cannot create the table in shared data: {e:?}"))? {
+                log::info!(
+                    "idempotency: created a table of {} entries ({} buckets) in namespace {:?}",
+                    table.layout().entries(),
+                    table.layout().buckets(),
+                    config.namespace
+                );
+            }
+            let from = (random() % u64::from(table.layout().buckets())) as u32;
+            Box::new(SharedStore::new(table, tick_ms, from))
+        }
+        StoreConfig::Etcd(cfg) => {
+            let max_lease = config.policies().map(|p| p.lease_ms).max().unwrap_or(10_000);
+            let retentions = config.policies().map(|p| p.retention_s).collect();
+            Box::new(EtcdStore::new(cfg.clone(), &config.namespace, max_lease, retentions, random()))
+        }
+    };
+    Ok(Lifecycle::new(config, store))
+}

@@ -1,0 +1,134 @@
+//! What a VM's root context and its streams share: the lifecycle, the calls in flight by
+//! token, the metric ids and the shared queue; and the one loop that carries out the
+//! lifecycle's effects.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::hostcalls;
+use crate::lifecycle::{is_hop_by_hop, CallId, Effect, Lifecycle, Reply};
+use crate::metrics::{Counter, Gauge};
+use crate::store::{CallRequest, Store};
+
+pub type AnyLifecycle = Lifecycle<Box<dyn Store>>;
+
+pub struct Vm {
+    lifecycle: RefCell<AnyLifecycle>,
+    calls: RefCell<HashMap<u32, CallId>>,
+    counters: Vec<(Counter, u32)>,
+    gauges: Vec<(Gauge, u32)>,
+    queue: Cell<Option<u32>>,
+}
+
+impl Vm {
+    pub fn new(lifecycle: AnyLifecycle) -> Vm {
+        let counters = Counter::ALL.iter().filter_map(|c| hostcalls::define_counter(c.name()).map(|id| (*c, id)));
+        let gauges = Gauge::ALL.iter().filter_map(|g| hostcalls::define_gauge(g.name()).map(|id| (*g, id)));
+        Vm {
+            lifecycle: RefCell::new(lifecycle),
+            calls: RefCell::default(),
+            counters: counters.collect(),
+            gauges: gauges.collect(),
+            queue: Cell::new(None),
+        }
+    }
+
+    pub fn set_queue(&self, queue: u32) {
+        self.queue.set(Some(queue));
+    }
+
+    /// Runs one event on the lifecycle, then carries out what it asked for. `current`: the
+    /// stream whose callback this is (`None`: the root's). The lifecycle is not borrowed while
+    /// effects run: a local reply re-enters the plugin, whose nested event runs its own.
+    pub fn event<T>(&self, current: Option<u32>, f: impl FnOnce(&mut AnyLifecycle, u64) -> T) -> T {
+        let now = hostcalls::now_ms();
+        let (out, effects) = {
+            let mut lifecycle = self.lifecycle.borrow_mut();
+            let out = f(&mut lifecycle, now);
+            (out, lifecycle.take_effects())
+        };
+        for effect in effects {
+            self.carry_out(current, effect);
+        }
+        out
+    }
+
+    pub fn read<T>(&self, f: impl FnOnce(&AnyLifecycle) -> T) -> T {
+        f(&self.lifecycle.borrow())
+    }
+
+    /// The call a dispatch token stands for.
+    pub fn take_call(&self, token: u32) -> Option<CallId> {
+        self.calls.borrow_mut().remove(&token)
+    }
+
+    fn carry_out(&self, current: Option<u32>, effect: Effect) {
+        match effect {
+            Effect::Reply { stream, reply } => {
+                if current == Some(stream) || hostcalls::set_effective_context(stream) {
+                    send(&reply);
+                }
+            }
+            Effect::Resume { stream } => {
+                if hostcalls::set_effective_context(stream) {
+                    hostcalls::resume_request();
+                }
+            }
+            Effect::Dispatch { call, request } => self.dispatch(call, request),
+            Effect::WakeRoot => {
+                if let Some(queue) = self.queue.get() {
+                    hostcalls::enqueue(queue);
+                }
+            }
+            Effect::Count { counter, n } => {
+                if let Some((_, id)) = self.counters.iter().find(|(c, _)| *c == counter) {
+                    hostcalls::add_metric(*id, i64::from(n));
+                }
+            }
+            Effect::AddGauge { gauge, delta } => {
+                if let Some((_, id)) = self.gauges.iter().find(|(g, _)| *g == gauge) {
+                    hostcalls::add_metric(*id, delta);
+                }
+            }
+            Effect::SetGauge { gauge, value } => {
+                if let Some((_, id)) = self.gauges.iter().find(|(g, _)| *g == gauge) {
+                    hostcalls::set_metric(*id, value);
+                }
+            }
+        }
+    }
+
+    /// Sends a call from the root context: the SDK files the answer under the root, which
+    /// outlives the client's stream (SPEC §4).
+    fn dispatch(&self, call: CallId, request: CallRequest) {
+        let headers: Vec<(&str, &str)> = request.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        let timeout = Duration::from_millis(request.timeout_ms);
+        match hostcalls::dispatch(&request.cluster, headers, &request.body, timeout) {
+            Ok(token) => {
+                self.calls.borrow_mut().insert(token, call);
+            }
+            Err(status) => {
+                log::warn!("dispatch to cluster {:?} failed: {status:?}", request.cluster);
+                self.event(None, |lifecycle, now| lifecycle.on_call_failed(call, now));
+            }
+        }
+    }
+}
+
+/// A local reply on the current stream.
+fn send(reply: &Reply) {
+    let sent = match reply {
+        Reply::Problem(p) => hostcalls::send_response(p.status, &p.headers(), &p.body()),
+        Reply::Stored { response, replayed } => {
+            let mut headers: Vec<(&str, &[u8])> = response.headers().filter(|(n, _)| !is_hop_by_hop(n)).collect();
+            if *replayed {
+                headers.push(("idempotent-replayed", b"true"));
+            }
+            hostcalls::send_response(response.status(), &headers, response.body())
+        }
+    };
+    if let Err(status) = sent {
+        log::warn!("local reply failed with status {status}");
+    }
+}

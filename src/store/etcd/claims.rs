@@ -1,0 +1,204 @@
+//! A request's claim on etcd: the transaction, and what its answer says (SPEC §3.2–3.5).
+
+use std::rc::Rc;
+
+use super::protocol::{self, ErrorKind, EtcdError, Kv, TxnResult};
+use super::{Backoff, EtcdOwner, EtcdStore, Op, Round, MAX_ROUNDS};
+use crate::engine::{decide_entry, Change, Decision, StoreError};
+use crate::entry::{decode_entry, encode_entry, Corrupt, State, Way};
+use crate::store::{Answer, Began, Owner};
+
+impl EtcdStore {
+    pub(super) fn send_claim(&mut self, round: Round, lease: i64, now: u64) {
+        let way = Way {
+            state: State::InProgress,
+            gen: self.draw(),
+            key: round.tag,
+            fingerprint: round.fingerprint,
+            deadline_ms: now.saturating_add(round.lease_ms),
+            since_ms: now,
+            bytes: 0,
+        };
+        // The token (`gen`) makes the mark's value unique: a delete-if-value only ever removes
+        // our own mark.
+        let value = encode_entry(&way, None);
+        let body = match round.takeover {
+            Some(mod_revision) => protocol::replace_txn(&round.key, mod_revision, &value, lease),
+            None => protocol::claim_txn(&round.key, &value, lease),
+        };
+        let who = round.who;
+        if !self.send(protocol::TXN_PATH, body, Op::Claim { round, value, way }, now) {
+            self.answer(who, Began::Unavailable);
+        }
+    }
+
+    pub(super) fn answer(&mut self, who: crate::store::For, began: Began) {
+        self.answers.push_back((who, Answer::Began(began)));
+    }
+
+    /// Another round of claim or takeover, or 503 after `MAX_ROUNDS`.
+    fn next_round(&mut self, mut round: Round) {
+        round.attempts += 1;
+        if round.attempts >= MAX_ROUNDS {
+            self.answer(round.who, Began::Failed(StoreError::Contention));
+        } else {
+            self.rounds.push_back(round);
+        }
+    }
+
+    pub(super) fn on_claim(
+        &mut self,
+        mut round: Round,
+        value: Vec<u8>,
+        way: Way,
+        result: Result<TxnResult, EtcdError>,
+        now: u64,
+    ) {
+        match result {
+            Ok(TxnResult { succeeded: true, revision, .. }) => self.claimed(round, value, way, revision, now),
+            Ok(TxnResult { current: None, .. }) => {
+                // The key vanished between compare and read (released, or its lease ended).
+                round.takeover = None;
+                self.next_round(round);
+            }
+            Ok(TxnResult { current: Some(kv), .. }) => self.judge_existing(round, kv, now, true),
+            Err(err) if err.kind() == ErrorKind::NoSpace => {
+                // etcd refuses writes, reads still work: a stored answer replays, an in-progress
+                // mark still conflicts; a new key cannot be claimed (on_unavailable).
+                self.note_no_space(&err, now);
+                let body = protocol::range_body(&round.key);
+                let who = round.who;
+                if !self.send(protocol::RANGE_PATH, body, Op::Read { round }, now) {
+                    self.answer(who, Began::Unavailable);
+                }
+            }
+            Err(err) if err.is_lease_not_found() => {
+                self.forget_dead_lease(&err);
+                self.next_round(round);
+            }
+            Err(err) => {
+                log::warn!("etcd: claim failed: {err:?}");
+                if err.kind() == ErrorKind::Unreachable {
+                    // The claim may have been applied after its answer was lost: remove our
+                    // mark (only ours: the value carries our token), retried until etcd answers.
+                    self.cleanups.push((round.key.clone(), value));
+                }
+                self.answer(round.who, Began::Unavailable);
+            }
+        }
+    }
+
+    /// The claim is ours. Its answer may have come so late (a paused VM, a slow etcd) that
+    /// the mark is about to expire or has, and another replica may take the key over: then
+    /// renew it first, and go upstream only if that still finds our mark.
+    fn claimed(&mut self, round: Round, value: Vec<u8>, way: Way, revision: i64, now: u64) {
+        let id = self.next_owner;
+        self.next_owner += 1;
+        let owner = Owner { id, fence: revision.max(0) as u64 };
+        let late = now.saturating_add(round.lease_ms / 4) >= way.deadline_ms;
+        let busy = late;
+        let record = EtcdOwner {
+            owner,
+            key: round.key.clone(),
+            way,
+            mod_revision: revision,
+            busy,
+            ending: None,
+            retry: Backoff::default(),
+        };
+        self.owners.insert(id, record);
+        if !late {
+            let leased_ms = way.deadline_ms.saturating_sub(round.lease_ms); // from when it left
+            let takeover = round.takeover.is_some();
+            return self.answer(round.who, Began::Claimed { owner, takeover, change: Change::default(), leased_ms });
+        }
+        log::info!("etcd: a claim was answered late; renewing it before going upstream");
+        let fresh = Way { deadline_ms: now.saturating_add(round.lease_ms), ..way };
+        let body = match self.lease {
+            Some(lease) => protocol::replace_txn(&round.key, revision, &encode_entry(&fresh, None), lease),
+            None => Vec::new(),
+        };
+        let who = round.who;
+        if body.is_empty() || !self.send(protocol::TXN_PATH, body, Op::Verify { round, id, value, way: fresh }, now) {
+            self.owners.remove(&id);
+            self.answer(who, Began::Unavailable);
+        }
+    }
+
+    /// The answer to a late claim's renewal.
+    pub(super) fn on_verify(
+        &mut self,
+        round: Round,
+        id: u64,
+        value: Vec<u8>,
+        way: Way,
+        result: Result<TxnResult, EtcdError>,
+        now: u64,
+    ) {
+        match result {
+            Ok(TxnResult { succeeded: true, revision, .. }) => {
+                let Some(o) = self.owners.get_mut(&id) else { return };
+                o.busy = false;
+                o.mod_revision = revision;
+                o.way = way;
+                let owner = o.owner;
+                let takeover = round.takeover.is_some();
+                self.answer(round.who, Began::Claimed { owner, takeover, change: Change::default(), leased_ms: now });
+            }
+            Ok(TxnResult { current, .. }) => {
+                // Taken over (or gone) meanwhile: decide again on what the key holds now.
+                self.owners.remove(&id);
+                match current {
+                    Some(kv) => self.judge_existing(round, kv, now, true),
+                    None => self.next_round(Round { takeover: None, ..round }),
+                }
+            }
+            Err(err) => {
+                self.owners.remove(&id);
+                self.cleanups.push((round.key.clone(), value));
+                self.forget_dead_lease(&err);
+                self.answer(round.who, Began::Unavailable);
+            }
+        }
+    }
+
+    /// The key holds an entry: conflict, replay, mismatch, or (expired, and `writable`)
+    /// another round to take it over.
+    pub(super) fn judge_existing(&mut self, mut round: Round, kv: Kv, now: u64, writable: bool) {
+        // An entry must be of this key: a value copied from another key is foreign.
+        let decoded = decode_entry(&kv.value).and_then(|(entry, response)| {
+            if entry.key == round.tag {
+                Ok((entry, response))
+            } else {
+                Err(Corrupt("entry: of another key"))
+            }
+        });
+        let (entry, response) = match decoded {
+            Ok(decoded) => decoded,
+            Err(e) => return self.answer(round.who, Began::Failed(StoreError::Corrupt(e.0))),
+        };
+        let began = match decide_entry(Some(&entry), &round.fingerprint, now) {
+            Decision::Claim { .. } if writable => {
+                round.takeover = Some(kv.mod_revision);
+                return self.next_round(round);
+            }
+            Decision::Claim { .. } => Began::Unavailable,
+            Decision::InProgress => Began::InProgress,
+            Decision::Completed { no_body: false, .. } => match response {
+                Some(r) => Began::Replay(Rc::new(r)),
+                None => Began::Failed(StoreError::Corrupt("entry: no response")),
+            },
+            Decision::Completed { no_body: true, .. } => Began::CompletedWithoutBody,
+            Decision::Mismatch | Decision::Full => Began::Mismatch,
+        };
+        self.answer(round.who, began);
+    }
+
+    /// A read after a claim refused for lack of space.
+    pub(super) fn on_read(&mut self, round: Round, status: u16, body: &[u8], now: u64) {
+        match protocol::parse_range(status, body) {
+            Ok(Some(kv)) => self.judge_existing(round, kv, now, false),
+            Ok(None) | Err(_) => self.answer(round.who, Began::Unavailable),
+        }
+    }
+}

@@ -1,0 +1,411 @@
+//! The fleet store: etcd through its JSON gateway, sans I/O. It emits the requests to send
+//! ([`Store::poll_call`]) and consumes their answers; its leases, revisions, retries and
+//! backoff are kept here. The host adapter sends the calls from the root context, so answers
+//! reach us even when a client's stream has ended (SPEC §4).
+//!
+//! One etcd key per idempotency key. A claim is one transaction (create if absent, else read);
+//! a takeover, renewal, completion or release compares the key's `mod_revision` with the one
+//! this owner last wrote, and when the compare fails, the key's value says whether the write
+//! that moved it on was ours (applied, not acknowledged) or another owner's. Marks ride one
+//! lease per VM, kept alive from the timer, and carry their own deadline; completed entries
+//! ride a retention lease shared by the completions of a time window. Writes that etcd did not
+//! acknowledge are retried with backoff; a claim whose answer was lost (timeout) is cleaned up
+//! by a delete-if-value, retried likewise.
+
+mod claims;
+mod owners;
+pub mod protocol;
+
+#[cfg(test)]
+mod model;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::rc::Rc;
+
+use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
+use crate::config::EtcdConfig;
+use crate::entry::{KeyTag, StoredResponse, Way};
+use crate::fingerprint::Fingerprint;
+use crate::metrics::Counter;
+use protocol::{Backoff, ErrorKind, EtcdError};
+
+/// Rounds of claim/takeover for one request before it is answered 503.
+const MAX_ROUNDS: u8 = 6;
+/// How often "etcd is out of space" is logged at most.
+const NO_SPACE_LOG_MS: u64 = 60_000;
+/// How often a held request (wait mode) asks etcd again.
+const WAIT_POLL_MS: u64 = 100;
+
+/// One round of a request's claim (a first claim, or a takeover of an expired entry).
+struct Round {
+    who: For,
+    key: Vec<u8>,
+    tag: KeyTag,
+    fingerprint: Fingerprint,
+    lease_ms: u64,
+    attempts: u8,
+    /// The `mod_revision` of the expired entry to take over.
+    takeover: Option<i64>,
+}
+
+/// How an owner's call ended.
+enum Ending {
+    Complete { response: Option<Rc<StoredResponse>>, retention_ms: u64 },
+    Release,
+}
+
+struct EtcdOwner {
+    owner: Owner,
+    key: Vec<u8>,
+    way: Way,
+    mod_revision: i64,
+    /// A write of it is in flight.
+    busy: bool,
+    ending: Option<Ending>,
+    /// After a refused completion or release: when to try again.
+    retry: Backoff,
+}
+
+enum Op {
+    Claim {
+        round: Round,
+        value: Vec<u8>,
+        way: Way,
+    },
+    /// A read-only look at a key whose claim etcd refused for lack of space.
+    Read {
+        round: Round,
+    },
+    /// A claim whose answer came late renews its mark before it is answered: another
+    /// replica may have taken the key over meanwhile.
+    Verify {
+        round: Round,
+        id: u64,
+        value: Vec<u8>,
+        way: Way,
+    },
+    Renew {
+        id: u64,
+        way: Way,
+    },
+    End {
+        id: u64,
+    },
+    Cleanup {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
+    GrantReplica,
+    GrantRetention(u64),
+    KeepAlive,
+}
+
+pub struct EtcdStore {
+    cfg: EtcdConfig,
+    namespace: String,
+    /// Every policy's `retention_s`: a retention lease is kept ready for each.
+    retentions: Vec<u64>,
+    lease_ttl_s: u64,
+    lease: Option<i64>,
+    lease_pending: bool,
+    keepalive_ms: u64,
+    /// Retention leases by `retention_s`: (lease, usable until).
+    retention: HashMap<u64, (i64, u64)>,
+    retention_pending: HashSet<u64>,
+    owners: HashMap<u64, EtcdOwner>,
+    next_owner: u64,
+    rounds: VecDeque<Round>,
+    inflight: HashMap<u64, Op>,
+    outbox: VecDeque<(u64, CallRequest)>,
+    answers: VecDeque<(For, Answer)>,
+    counts: VecDeque<Counter>,
+    cleanups: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Whether etcd answers at all: after a failure every request waits for the backoff, and
+    /// then one request at a time probes (SPEC §3.8: a store that fails is never hammered).
+    health: Backoff,
+    probe: Option<u64>,
+    /// Lease grants, keepalives and cleanups that etcd refused: retried after this.
+    background: Backoff,
+    no_space_logged_ms: u64,
+    next_call: u64,
+    /// Randomness for owner tokens and jitter (splitmix64 over a seed from the host).
+    random: u64,
+}
+
+impl EtcdStore {
+    /// `max_lease_ms`: the longest `lease_ms` of the policies (the VM lease's TTL);
+    /// `retentions`: every policy's `retention_s`; `seed`: any random number.
+    pub fn new(cfg: EtcdConfig, namespace: &str, max_lease_ms: u64, retentions: Vec<u64>, seed: u64) -> EtcdStore {
+        EtcdStore {
+            cfg,
+            namespace: namespace.to_string(),
+            retentions,
+            lease_ttl_s: max_lease_ms.div_ceil(1000).max(3),
+            lease: None,
+            lease_pending: false,
+            keepalive_ms: 0,
+            retention: HashMap::new(),
+            retention_pending: HashSet::new(),
+            owners: HashMap::new(),
+            next_owner: 1,
+            rounds: VecDeque::new(),
+            inflight: HashMap::new(),
+            outbox: VecDeque::new(),
+            answers: VecDeque::new(),
+            counts: VecDeque::new(),
+            cleanups: Vec::new(),
+            health: Backoff::default(),
+            probe: None,
+            background: Backoff::default(),
+            no_space_logged_ms: 0,
+            next_call: 1,
+            random: seed,
+        }
+    }
+
+    /// A random number (splitmix64).
+    fn draw(&mut self) -> u64 {
+        self.random = self.random.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.random;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Queues one request to etcd; `false` while etcd is unreachable and this may not probe.
+    fn send(&mut self, path: &str, body: Vec<u8>, op: Op, now: u64) -> bool {
+        if self.health.failing() && (self.probe.is_some() || !self.health.ready(now)) {
+            return false;
+        }
+        let call = self.next_call;
+        self.next_call += 1;
+        if self.health.failing() {
+            self.probe = Some(call);
+        }
+        let headers = [(":method", "POST"), (":path", path), (":authority", self.cfg.authority.as_str())]
+            .into_iter()
+            .chain(std::iter::once(("content-type", "application/json")))
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        let request = CallRequest { cluster: self.cfg.cluster.clone(), headers, body, timeout_ms: self.cfg.timeout_ms };
+        self.outbox.push_back((call, request));
+        self.inflight.insert(call, op);
+        true
+    }
+
+    /// Keeps the VM lease and the retention leases ready, then sends claims, endings and
+    /// cleanups.
+    fn pump(&mut self, now: u64) {
+        let background = self.background.ready(now);
+        if background {
+            for retention_s in self.retentions.clone() {
+                let fresh = self
+                    .retention
+                    .get(&retention_s)
+                    .is_some_and(|(_, until)| now + slack_s(retention_s) * 500 < *until);
+                if !fresh && self.retention_pending.insert(retention_s) {
+                    self.grant_retention(retention_s, now);
+                }
+            }
+        }
+        if self.lease.is_none() && !self.lease_pending && background {
+            self.lease_pending = true;
+            let body = protocol::grant_body(self.lease_ttl_s);
+            if !self.send(protocol::GRANT_PATH, body, Op::GrantReplica, now) {
+                self.lease_pending = false;
+            }
+        }
+        if self.lease.is_none() && !self.lease_pending {
+            // No lease and none coming: the queued claims cannot be sent.
+            self.fail_rounds();
+        }
+        while let Some(lease) = self.lease {
+            let Some(round) = self.rounds.pop_front() else { break };
+            self.send_claim(round, lease, now);
+        }
+        let ready: Vec<u64> = self
+            .owners
+            .iter()
+            .filter(|(_, o)| o.ending.is_some() && !o.busy && o.retry.ready(now))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ready {
+            self.send_end(id, now);
+        }
+        if background {
+            for (key, value) in std::mem::take(&mut self.cleanups) {
+                let body = protocol::delete_if_value_txn(&key, &value);
+                let op = Op::Cleanup { key: key.clone(), value: value.clone() };
+                if !self.send(protocol::TXN_PATH, body, op, now) {
+                    self.cleanups.push((key, value));
+                }
+            }
+        }
+    }
+
+    fn grant_retention(&mut self, retention_s: u64, now: u64) {
+        let body = protocol::grant_body(retention_s + slack_s(retention_s));
+        if !self.send(protocol::GRANT_PATH, body, Op::GrantRetention(retention_s), now) {
+            self.retention_pending.remove(&retention_s);
+        }
+    }
+
+    fn fail_rounds(&mut self) {
+        for round in std::mem::take(&mut self.rounds) {
+            self.answers.push_back((round.who, Answer::Began(Began::Unavailable)));
+        }
+    }
+
+    /// etcd refused a write for lack of space (its quota alarm): counted, logged once a
+    /// minute.
+    fn note_no_space(&mut self, error: &EtcdError, now: u64) {
+        if error.kind() != ErrorKind::NoSpace {
+            return;
+        }
+        self.counts.push_back(Counter::StoreNoSpace);
+        if now >= self.no_space_logged_ms {
+            self.no_space_logged_ms = now + NO_SPACE_LOG_MS;
+            log::warn!(
+                "etcd refuses writes: its database is over its space quota (alarm NOSPACE). New keys follow on_unavailable; stored answers still replay. Free space (compact, defragment), then disarm the alarm (etcdctl alarm disarm)"
+            );
+        }
+    }
+
+    fn forget_dead_lease(&mut self, error: &EtcdError) {
+        if error.is_lease_not_found() {
+            self.lease = None;
+        }
+    }
+
+    /// The health of etcd, from one answer: unreachable answers grow the backoff (not those
+    /// of requests sent before the first failure), anything else resets it.
+    fn note_health(&mut self, call: u64, unreachable: bool, now: u64) {
+        let probe = self.probe == Some(call);
+        if probe {
+            self.probe = None;
+        }
+        if !unreachable {
+            self.health.succeed();
+        } else if probe || !self.health.failing() {
+            let jitter = self.draw();
+            self.health.fail(now, jitter);
+            log::warn!("etcd: no answer; backing off");
+        }
+    }
+}
+
+/// Completed entries may outlive their retention by this much before etcd drops them: one
+/// retention lease serves all completions of such a window.
+fn slack_s(retention_s: u64) -> u64 {
+    (retention_s / 10).clamp(1, 600)
+}
+
+impl Store for EtcdStore {
+    fn begin(&mut self, who: For, claim: &Claim, now_ms: u64) -> Option<Answer> {
+        let mut tag = [0u8; 16];
+        tag.copy_from_slice(claim.key.0.get(8..24).unwrap_or(&[0u8; 16]));
+        let key = protocol::key_name(&self.namespace, &claim.key.0);
+        let round = Round {
+            who,
+            key,
+            tag,
+            fingerprint: claim.fingerprint,
+            lease_ms: claim.lease_ms,
+            attempts: 0,
+            takeover: None,
+        };
+        self.rounds.push_back(round);
+        self.pump(now_ms);
+        None
+    }
+
+    fn renew(&mut self, owner: Owner, lease_ms: u64, now_ms: u64) -> Option<Answer> {
+        self.send_renew(owner.id, lease_ms, now_ms);
+        None
+    }
+
+    fn complete(
+        &mut self,
+        owner: Owner,
+        response: Option<Rc<StoredResponse>>,
+        retention_ms: u64,
+        now_ms: u64,
+    ) -> Option<Answer> {
+        let Some(o) = self.owners.get_mut(&owner.id) else {
+            return Some(Answer::Completed(Completed::Lost { response }));
+        };
+        o.ending = Some(Ending::Complete { response, retention_ms });
+        self.pump(now_ms);
+        None
+    }
+
+    fn release(&mut self, owner: Owner, now_ms: u64) -> Option<Answer> {
+        let Some(o) = self.owners.get_mut(&owner.id) else {
+            return Some(Answer::Released { done: false, change: Default::default() });
+        };
+        o.ending = Some(Ending::Release);
+        self.pump(now_ms);
+        None
+    }
+
+    fn forget(&mut self, owner: Owner) {
+        self.owners.remove(&owner.id);
+    }
+
+    fn tick(&mut self, now_ms: u64) -> TickReport {
+        // A keepalive is also the probe that finds etcd back once the backoff has passed,
+        // without waiting for client traffic.
+        let probe_due = self.health.failing() && self.health.ready(now_ms) && self.probe.is_none();
+        let keepalive_due = now_ms.saturating_sub(self.keepalive_ms) >= self.lease_ttl_s * 1000 / 3;
+        if let (Some(lease), true, true) = (self.lease, self.background.ready(now_ms), probe_due || keepalive_due) {
+            self.keepalive_ms = now_ms;
+            self.send(protocol::KEEPALIVE_PATH, protocol::keepalive_body(lease), Op::KeepAlive, now_ms);
+        }
+        self.pump(now_ms);
+        TickReport::default()
+    }
+
+    fn poll_answer(&mut self) -> Option<(For, Answer)> {
+        self.answers.pop_front()
+    }
+
+    fn poll_call(&mut self) -> Option<(u64, CallRequest)> {
+        self.outbox.pop_front()
+    }
+
+    fn poll_count(&mut self) -> Option<Counter> {
+        self.counts.pop_front()
+    }
+
+    fn on_call_answer(&mut self, call: u64, answer: &CallAnswer, now_ms: u64) {
+        let Some(op) = self.inflight.remove(&call) else { return };
+        self.note_health(call, protocol::is_unreachable(answer.status, &answer.body), now_ms);
+        self.on_answer(op, answer.status, &answer.body, now_ms);
+        self.pump(now_ms);
+    }
+
+    fn on_call_failed(&mut self, call: u64, now_ms: u64) {
+        // Nothing was sent: as if Envoy had answered that etcd cannot be reached.
+        let answer = CallAnswer { status: 503, headers: Vec::new(), body: b"dispatch failed".to_vec() };
+        self.on_call_answer(call, &answer, now_ms);
+    }
+
+    fn wait_poll_ms(&self) -> u64 {
+        WAIT_POLL_MS
+    }
+
+    fn answers_at_once(&self) -> bool {
+        false
+    }
+
+    fn is_idle(&self) -> bool {
+        self.inflight.is_empty()
+            && self.rounds.is_empty()
+            && self.owners.is_empty()
+            && self.cleanups.is_empty()
+            && self.outbox.is_empty()
+            && self.answers.is_empty()
+    }
+}

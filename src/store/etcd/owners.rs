@@ -1,0 +1,203 @@
+//! An owner's writes on etcd (renewal, completion, release), the leases, and the dispatch of
+//! every answer to what it was for.
+
+use super::protocol::{self, ErrorKind, EtcdError, Kv, TxnResult};
+use super::{slack_s, Ending, EtcdStore, Op};
+use crate::engine::{Change, StoreError};
+use crate::entry::{decode_entry, encode_entry, State, Way};
+use crate::store::{Answer, Completed, For};
+
+impl EtcdStore {
+    /// Routes an answer to the operation it belongs to.
+    pub(super) fn on_answer(&mut self, op: Op, status: u16, body: &[u8], now: u64) {
+        match op {
+            Op::Claim { round, value, way } => self.on_claim(round, value, way, protocol::parse_txn(status, body), now),
+            Op::Read { round } => self.on_read(round, status, body, now),
+            Op::Verify { round, id, value, way } => {
+                self.on_verify(round, id, value, way, protocol::parse_txn(status, body), now)
+            }
+            Op::Renew { id, way } => self.on_renew(id, way, protocol::parse_txn(status, body), now),
+            Op::End { id } => self.on_end(id, protocol::parse_txn(status, body), now),
+            Op::Cleanup { key, value } => {
+                if protocol::parse_txn(status, body).is_err() {
+                    self.cleanups.push((key, value));
+                    let jitter = self.draw();
+                    self.background.fail(now, jitter);
+                }
+            }
+            Op::GrantReplica => self.on_grant(protocol::parse_grant(status, body), now),
+            Op::GrantRetention(retention_s) => {
+                self.retention_pending.remove(&retention_s);
+                match protocol::parse_grant(status, body) {
+                    Ok(lease) => {
+                        self.retention.insert(retention_s, (lease, now + slack_s(retention_s) * 1000));
+                    }
+                    Err(_) => {
+                        let jitter = self.draw();
+                        self.background.fail(now, jitter);
+                    }
+                }
+            }
+            Op::KeepAlive => {
+                if let Ok(false) = protocol::parse_keepalive(status, body) {
+                    log::warn!("etcd: the VM's lease expired; granting a new one");
+                    self.lease = None;
+                }
+            }
+        }
+    }
+
+    fn on_grant(&mut self, granted: Result<i64, EtcdError>, now: u64) {
+        self.lease_pending = false;
+        match granted {
+            Ok(lease) => {
+                self.lease = Some(lease);
+                self.keepalive_ms = now;
+            }
+            Err(err) => {
+                log::warn!("etcd: lease grant failed: {err:?}");
+                let jitter = self.draw();
+                self.background.fail(now, jitter);
+                self.fail_rounds();
+            }
+        }
+    }
+
+    /// Extends an owner's mark, unless a write of it is in flight or its call ended.
+    pub(super) fn send_renew(&mut self, id: u64, lease_ms: u64, now: u64) {
+        let Some(lease) = self.lease else { return };
+        let Some(o) = self.owners.get_mut(&id) else { return };
+        if o.busy || o.ending.is_some() {
+            return;
+        }
+        let way = Way { deadline_ms: now.saturating_add(lease_ms), ..o.way };
+        let body = protocol::replace_txn(&o.key, o.mod_revision, &encode_entry(&way, None), lease);
+        o.busy = true;
+        if !self.send(protocol::TXN_PATH, body, Op::Renew { id, way }, now) {
+            if let Some(o) = self.owners.get_mut(&id) {
+                o.busy = false;
+            }
+        }
+    }
+
+    /// Whether the value a failed compare read back is this owner's own mark: a write of ours
+    /// that etcd applied but did not acknowledge moved its revision on.
+    fn adopt_if_ours(&mut self, id: u64, kv: &Kv) -> bool {
+        let Some(o) = self.owners.get_mut(&id) else { return false };
+        let Ok((way, _)) = decode_entry(&kv.value) else { return false };
+        let ours = way.state == State::InProgress && way.gen == o.way.gen && way.key == o.way.key;
+        if ours {
+            o.mod_revision = kv.mod_revision;
+            o.way = way;
+        }
+        ours
+    }
+
+    fn on_renew(&mut self, id: u64, way: Way, result: Result<TxnResult, EtcdError>, now: u64) {
+        if let Some(o) = self.owners.get_mut(&id) {
+            o.busy = false;
+        }
+        match result {
+            Ok(TxnResult { succeeded: true, revision, .. }) => {
+                if let Some(o) = self.owners.get_mut(&id) {
+                    o.mod_revision = revision;
+                    o.way = way;
+                }
+            }
+            Ok(TxnResult { current: Some(kv), .. }) if self.adopt_if_ours(id, &kv) => {}
+            Ok(_) => {
+                // Taken over (or gone): this owner no longer holds the key.
+                if let Some(o) = self.owners.remove(&id) {
+                    self.answers.push_back((For::Owner(o.owner), Answer::Renewed(false)));
+                }
+            }
+            Err(err) => {
+                self.forget_dead_lease(&err);
+                self.note_no_space(&err, now);
+            }
+        }
+    }
+
+    /// Sends an owner's completion or release.
+    pub(super) fn send_end(&mut self, id: u64, now: u64) {
+        let Some(o) = self.owners.get(&id) else { return };
+        let body = match &o.ending {
+            Some(Ending::Release) => protocol::delete_txn(&o.key, o.mod_revision),
+            Some(Ending::Complete { response, retention_ms }) => {
+                let retention_s = retention_ms / 1000;
+                let usable = self.retention.get(&retention_s).filter(|(_, until)| now < *until).map(|(l, _)| *l);
+                let Some(lease) = usable else {
+                    // Completed entries ride a retention lease: get one first.
+                    if self.retention_pending.insert(retention_s) {
+                        self.grant_retention(retention_s, now);
+                    }
+                    return;
+                };
+                let state = if response.is_some() { State::Completed } else { State::CompletedNoBody };
+                let bytes = response.as_ref().map_or(0, |r| r.stored_len() as u32);
+                let way = Way { state, deadline_ms: now.saturating_add(*retention_ms), since_ms: now, bytes, ..o.way };
+                protocol::replace_txn(&o.key, o.mod_revision, &encode_entry(&way, response.as_deref()), lease)
+            }
+            None => return,
+        };
+        if let Some(o) = self.owners.get_mut(&id) {
+            o.busy = true;
+        }
+        if !self.send(protocol::TXN_PATH, body, Op::End { id }, now) {
+            if let Some(o) = self.owners.get_mut(&id) {
+                o.busy = false;
+            }
+        }
+    }
+
+    fn on_end(&mut self, id: u64, result: Result<TxnResult, EtcdError>, now: u64) {
+        match result {
+            Ok(TxnResult { current: Some(kv), succeeded: false, .. }) if self.adopt_if_ours(id, &kv) => {
+                // A renewal of ours moved the revision on: send the ending again.
+                if let Some(o) = self.owners.get_mut(&id) {
+                    o.busy = false;
+                }
+            }
+            Ok(TxnResult { succeeded, .. }) => {
+                let Some(o) = self.owners.remove(&id) else { return };
+                let answer = match (o.ending, succeeded) {
+                    (Some(Ending::Release), done) => Answer::Released { done, change: Change::default() },
+                    (Some(Ending::Complete { response, .. }), true) => {
+                        let change = Change::default();
+                        Answer::Completed(match response.is_some() {
+                            true => Completed::Stored { change, response },
+                            false => Completed::WithoutBody { change, response },
+                        })
+                    }
+                    (Some(Ending::Complete { response, .. }), false) => Answer::Completed(Completed::Lost { response }),
+                    (None, _) => return,
+                };
+                self.answers.push_back((For::Owner(o.owner), answer));
+            }
+            Err(err) => self.end_refused(id, &err, now),
+        }
+    }
+
+    /// etcd did not take the ending: retried after a backoff, until it does. A response over
+    /// etcd's request limit is completed without its body instead.
+    fn end_refused(&mut self, id: u64, err: &EtcdError, now: u64) {
+        if err.is_lease_not_found() {
+            self.retention.clear();
+        }
+        self.note_no_space(err, now);
+        let jitter = self.draw();
+        let Some(o) = self.owners.get_mut(&id) else { return };
+        o.busy = false;
+        if err.kind() == ErrorKind::TooLarge {
+            if let Some(Ending::Complete { response, .. }) = &mut o.ending {
+                log::warn!("etcd: the response is over etcd's request limit; completing without it");
+                *response = None;
+                return;
+            }
+        }
+        o.retry.fail(now, jitter);
+        let owner = o.owner;
+        log::warn!("etcd: completion or release not acknowledged ({err:?}); retrying");
+        self.answers.push_back((For::Owner(owner), Answer::Refused { error: StoreError::Unavailable, response: None }));
+    }
+}
