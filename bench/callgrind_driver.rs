@@ -15,11 +15,11 @@
 //! Usage: callgrind_driver <claim|complete|replay|conflict|request> [N]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use idempotency::engine::{Begin, Layout, Table, Ticket};
-use idempotency::entry::StoredResponse;
+use idempotency::table::{Begin, Layout, Table, Ticket};
+use idempotency::encoding::StoredResponse;
 use idempotency::fingerprint::{Fingerprint, FingerprintBuilder};
 use idempotency::key::{parse_key, StoreKey};
-use idempotency::store::memory::MemoryKv;
+use idempotency::table::memory::MemoryKv;
 use std::hint::black_box;
 
 // The benchmarks' shared answer; this path holds from bench/ and from examples/ alike.

@@ -16,10 +16,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)] // bench code
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use idempotency::engine::{Begin, Layout, Table, Ticket};
 use idempotency::fingerprint::{Fingerprint, FingerprintBuilder};
 use idempotency::key::StoreKey;
-use idempotency::store::memory::MemoryKv;
+use idempotency::table::memory::MemoryKv;
+use idempotency::table::{Begin, Layout, Table, Ticket};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

@@ -272,7 +272,7 @@ impl Config {
     fn finish(&mut self) -> Result<(), ConfigError> {
         let (limit, limit_why) = match &self.store {
             StoreConfig::SharedData => {
-                let buckets = crate::engine::Layout::buckets_for(self.capacity);
+                let buckets = crate::table::Layout::buckets_for(self.capacity);
                 let share = self.max_store_bytes / u64::from(buckets);
                 (share, format!("the share of one of the table's {buckets} buckets (max_store_bytes / ceil(capacity / 64) = {share}): raise max_store_bytes, or lower capacity"))
             }

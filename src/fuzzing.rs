@@ -2,12 +2,12 @@
 //! untrusted bytes to exactly the same parsers. Each must return normally on any input.
 
 use crate::config::Config;
-use crate::engine::{decide, Begin, Layout, StoreError, Table};
-use crate::entry::{response_stamp, Bucket, StoredResponse};
+use crate::encoding::{response_stamp, Bucket, StoredResponse};
 use crate::fingerprint::Fingerprint;
 use crate::key::{parse_key, StoreKey};
-use crate::store::memory::MemoryKv;
-use crate::store::SharedKv;
+use crate::table::memory::MemoryKv;
+use crate::table::SharedKv;
+use crate::table::{decide, Begin, Layout, StoreError, Table};
 
 /// The plugin configuration: parse, and if accepted, look up a policy.
 pub fn config(data: &[u8]) {
@@ -86,8 +86,8 @@ pub fn etcd(data: &[u8]) {
         let _ = parse_grant(status, data);
         let _ = parse_keepalive(status, data);
     }
-    if let Ok((way, response)) = crate::entry::decode_entry(data) {
-        assert_eq!(crate::entry::encode_entry(&way, response.as_ref()), data);
-        let _ = crate::engine::decide_entry(Some(&way), &Fingerprint::default(), 1);
+    if let Ok((entry, response)) = crate::encoding::decode_entry(data) {
+        assert_eq!(crate::encoding::encode_entry(&entry, response.as_ref()), data);
+        let _ = crate::table::decide_entry(Some(&entry), &Fingerprint::default(), 1);
     }
 }

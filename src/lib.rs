@@ -1,13 +1,14 @@
 //! An idempotency layer for Envoy and Istio: a proxy-wasm HTTP filter.
 //!
-//! The core (`config`, `key`, `fingerprint`, `entry`, `engine`, `problem`, `metrics`,
-//! `store`) is plain Rust with no `proxy-wasm` import and is tested natively; `filter` is the
-//! thin host adapter, built for `wasm32-wasip1` only.
+//! The core is plain Rust with no `proxy-wasm` import, tested natively: `lifecycle` (a
+//! request's life, events in, effects out) over `store` (shared data, etcd) and `host` (what it
+//! reads of Envoy); `table` (the table over shared data) and `encoding` (its values); `config`,
+//! `key`, `fingerprint`, `problem`, `metrics`, `budget`, `retention`. `plugin` is the thin
+//! proxy-wasm adapter, built for `wasm32-wasip1` only. See ARCHITECTURE.md.
 
 pub mod budget;
 pub mod config;
-pub mod engine;
-pub mod entry;
+pub mod encoding;
 pub mod fingerprint;
 pub mod fuzzing;
 pub mod host;
@@ -17,6 +18,7 @@ pub mod metrics;
 pub mod problem;
 pub mod retention;
 pub mod store;
+pub mod table;
 
 #[cfg(all(target_arch = "wasm32", not(test), feature = "plugin"))]
 mod plugin;

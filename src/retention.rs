@@ -4,7 +4,7 @@
 //! of a minute (the current one and the one before); each worker adds what it evicted about
 //! once a second and shows the result as a gauge.
 
-use crate::entry::Corrupt;
+use crate::encoding::Corrupt;
 
 const WINDOW_MS: u64 = 60_000;
 const ENCODED_BYTES: usize = 24;

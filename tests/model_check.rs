@@ -8,11 +8,11 @@
 #![cfg(not(target_family = "wasm"))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)] // test code
 
-use idempotency::engine::{Begin, Completed, Finish, Layout, Table, Ticket};
-use idempotency::entry::StoredResponse;
+use idempotency::encoding::StoredResponse;
 use idempotency::fingerprint::Fingerprint;
 use idempotency::key::StoreKey;
-use idempotency::store::{KvError, SharedKv};
+use idempotency::table::{Begin, Completed, Finish, Layout, Table, Ticket};
+use idempotency::table::{KvError, SharedKv};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use std::collections::HashMap;

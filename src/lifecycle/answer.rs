@@ -6,7 +6,7 @@ use std::rc::Rc;
 use super::request::{self, Outbound, Pending};
 use super::{Held, Holding, Lifecycle, Outgoing, Phase, Reply};
 use crate::config::{OnConflict, OnUnavailable, StoreConfig};
-use crate::entry::StoredResponse;
+use crate::encoding::StoredResponse;
 use crate::host::{Flow, Headers, Host};
 use crate::metrics::Counter;
 use crate::problem::Problem;

@@ -3,7 +3,7 @@
 
 use std::rc::Rc;
 
-use crate::entry::StoredResponse;
+use crate::encoding::StoredResponse;
 use crate::metrics::{Counter, Gauge};
 use crate::problem::Problem;
 use crate::store::CallRequest;

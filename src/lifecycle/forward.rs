@@ -5,7 +5,7 @@ use std::rc::Rc;
 
 use super::{CallId, Effect, Lifecycle, Outgoing, Phase, Reply, Upstream};
 use crate::budget::Reservation;
-use crate::entry::{StoredResponse, STORED_OVERHEAD};
+use crate::encoding::{StoredResponse, STORED_OVERHEAD};
 use crate::host::{Headers, Host};
 use crate::metrics::Counter;
 use crate::problem::Problem;

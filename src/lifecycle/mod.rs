@@ -23,13 +23,13 @@ use std::rc::Rc;
 
 use crate::budget::{Budget, Reservation};
 use crate::config::{Config, OnConflict, Policy};
-use crate::engine::Change;
 use crate::fingerprint::Fingerprint;
 use crate::host::{Flow, Host};
 use crate::key::StoreKey;
 use crate::metrics::{Counter, Gauge};
 use crate::problem::Problem;
 use crate::store::{CallRequest, Owner, Store};
+use crate::table::Change;
 use request::{Covered, Pending};
 
 /// One VM's requests and their store. The adapter feeds it events and carries out what

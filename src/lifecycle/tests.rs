@@ -5,10 +5,10 @@ use std::rc::Rc;
 
 use super::*;
 use crate::config::Config;
-use crate::engine::{Layout, Table};
 use crate::metrics::Counter;
-use crate::store::memory::MemoryKv;
 use crate::store::shared::SharedStore;
+use crate::table::memory::MemoryKv;
+use crate::table::{Layout, Table};
 
 /// What Envoy would hand the plugin for the current stream or call.
 #[derive(Default, Clone)]

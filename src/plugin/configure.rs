@@ -7,11 +7,11 @@ use std::hash::{BuildHasher, Hasher};
 use super::hostcalls::{self, SharedData};
 use super::vm::{AnyLifecycle, Vm};
 use crate::config::{Config, Forward, StoreConfig};
-use crate::engine::{Layout, Table};
 use crate::lifecycle::Lifecycle;
 use crate::store::etcd::EtcdStore;
 use crate::store::shared::SharedStore;
 use crate::store::Store;
+use crate::table::{Layout, Table};
 
 /// A random number from the host's randomness (WASI).
 fn random() -> u64 {

@@ -6,9 +6,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 
-use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, SharedKv, Store, TickReport};
-use crate::engine::{self, Begin, Change, Finish, Table, Ticket};
-use crate::entry::StoredResponse;
+use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
+use crate::encoding::StoredResponse;
+use crate::table::{self, Begin, Change, Finish, SharedKv, Table, Ticket};
 
 /// Buckets swept per second and VM: a 1,024-bucket table is swept every 2.5 s per worker.
 const SWEEP_PER_SECOND: u64 = 400;
@@ -77,9 +77,9 @@ impl<S: SharedKv> SharedStore<S> {
             Ok(done) => {
                 self.tickets.remove(&owner.id);
                 let completed = match done {
-                    engine::Completed::Stored(change) => Completed::Stored { change, response },
-                    engine::Completed::WithoutBody(change) => Completed::WithoutBody { change, response },
-                    engine::Completed::Lost => Completed::Lost { response },
+                    table::Completed::Stored(change) => Completed::Stored { change, response },
+                    table::Completed::WithoutBody(change) => Completed::WithoutBody { change, response },
+                    table::Completed::Lost => Completed::Lost { response },
                 };
                 if let Completed::Stored { change, .. } | Completed::WithoutBody { change, .. } = &completed {
                     let change = *change;

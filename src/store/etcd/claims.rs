@@ -4,13 +4,13 @@ use std::rc::Rc;
 
 use super::protocol::{self, ErrorKind, EtcdError, Kv, TxnResult};
 use super::{Backoff, EtcdOwner, EtcdStore, Op, Round, MAX_ROUNDS};
-use crate::engine::{decide_entry, Change, Decision, StoreError};
-use crate::entry::{decode_entry, encode_entry, Corrupt, State, Way};
+use crate::encoding::{decode_entry, encode_entry, Corrupt, Entry, State};
 use crate::store::{Answer, Began, Owner};
+use crate::table::{decide_entry, Change, Decision, StoreError};
 
 impl EtcdStore {
     pub(super) fn send_claim(&mut self, round: Round, lease: i64, now: u64) {
-        let way = Way {
+        let entry = Entry {
             state: State::InProgress,
             gen: self.draw(),
             key: round.tag,
@@ -21,13 +21,13 @@ impl EtcdStore {
         };
         // The token (`gen`) makes the mark's value unique: a delete-if-value only ever removes
         // our own mark.
-        let value = encode_entry(&way, None);
+        let value = encode_entry(&entry, None);
         let body = match round.takeover {
             Some(mod_revision) => protocol::replace_txn(&round.key, mod_revision, &value, lease),
             None => protocol::claim_txn(&round.key, &value, lease),
         };
         let who = round.who;
-        if !self.send(protocol::TXN_PATH, body, Op::Claim { round, value, way }, now) {
+        if !self.send(protocol::TXN_PATH, body, Op::Claim { round, value, entry }, now) {
             self.answer(who, Began::Unavailable);
         }
     }
@@ -50,12 +50,12 @@ impl EtcdStore {
         &mut self,
         mut round: Round,
         value: Vec<u8>,
-        way: Way,
+        entry: Entry,
         result: Result<TxnResult, EtcdError>,
         now: u64,
     ) {
         match result {
-            Ok(TxnResult { succeeded: true, revision, .. }) => self.claimed(round, value, way, revision, now),
+            Ok(TxnResult { succeeded: true, revision, .. }) => self.claimed(round, value, entry, revision, now),
             Ok(TxnResult { current: None, .. }) => {
                 // The key vanished between compare and read (released, or its lease ended).
                 round.takeover = None;
@@ -91,16 +91,16 @@ impl EtcdStore {
     /// The claim is ours. Its answer may have come so late (a paused VM, a slow etcd) that
     /// the mark is about to expire or has, and another replica may take the key over: then
     /// renew it first, and go upstream only if that still finds our mark.
-    fn claimed(&mut self, round: Round, value: Vec<u8>, way: Way, revision: i64, now: u64) {
+    fn claimed(&mut self, round: Round, value: Vec<u8>, entry: Entry, revision: i64, now: u64) {
         let id = self.next_owner;
         self.next_owner += 1;
         let owner = Owner { id, fence: revision.max(0) as u64 };
-        let late = now.saturating_add(round.lease_ms / 4) >= way.deadline_ms;
+        let late = now.saturating_add(round.lease_ms / 4) >= entry.deadline_ms;
         let busy = late;
         let record = EtcdOwner {
             owner,
             key: round.key.clone(),
-            way,
+            entry,
             mod_revision: revision,
             busy,
             ending: None,
@@ -108,18 +108,18 @@ impl EtcdStore {
         };
         self.owners.insert(id, record);
         if !late {
-            let leased_ms = way.deadline_ms.saturating_sub(round.lease_ms); // from when it left
+            let leased_ms = entry.deadline_ms.saturating_sub(round.lease_ms); // from when it left
             let takeover = round.takeover.is_some();
             return self.answer(round.who, Began::Claimed { owner, takeover, change: Change::default(), leased_ms });
         }
         log::info!("etcd: a claim was answered late; renewing it before going upstream");
-        let fresh = Way { deadline_ms: now.saturating_add(round.lease_ms), ..way };
+        let fresh = Entry { deadline_ms: now.saturating_add(round.lease_ms), ..entry };
         let body = match self.lease {
             Some(lease) => protocol::replace_txn(&round.key, revision, &encode_entry(&fresh, None), lease),
             None => Vec::new(),
         };
         let who = round.who;
-        if body.is_empty() || !self.send(protocol::TXN_PATH, body, Op::Verify { round, id, value, way: fresh }, now) {
+        if body.is_empty() || !self.send(protocol::TXN_PATH, body, Op::Verify { round, id, value, entry: fresh }, now) {
             self.owners.remove(&id);
             self.answer(who, Began::Unavailable);
         }
@@ -131,7 +131,7 @@ impl EtcdStore {
         round: Round,
         id: u64,
         value: Vec<u8>,
-        way: Way,
+        entry: Entry,
         result: Result<TxnResult, EtcdError>,
         now: u64,
     ) {
@@ -140,7 +140,7 @@ impl EtcdStore {
                 let Some(o) = self.owners.get_mut(&id) else { return };
                 o.busy = false;
                 o.mod_revision = revision;
-                o.way = way;
+                o.entry = entry;
                 let owner = o.owner;
                 let takeover = round.takeover.is_some();
                 self.answer(round.who, Began::Claimed { owner, takeover, change: Change::default(), leased_ms: now });

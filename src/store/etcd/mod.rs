@@ -26,7 +26,7 @@ use std::rc::Rc;
 
 use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
 use crate::config::EtcdConfig;
-use crate::entry::{KeyTag, StoredResponse, Way};
+use crate::encoding::{Entry, KeyTag, StoredResponse};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Counter;
 use protocol::{Backoff, ErrorKind, EtcdError};
@@ -59,7 +59,7 @@ enum Ending {
 struct EtcdOwner {
     owner: Owner,
     key: Vec<u8>,
-    way: Way,
+    entry: Entry,
     mod_revision: i64,
     /// A write of it is in flight.
     busy: bool,
@@ -72,7 +72,7 @@ enum Op {
     Claim {
         round: Round,
         value: Vec<u8>,
-        way: Way,
+        entry: Entry,
     },
     /// A read-only look at a key whose claim etcd refused for lack of space.
     Read {
@@ -84,11 +84,11 @@ enum Op {
         round: Round,
         id: u64,
         value: Vec<u8>,
-        way: Way,
+        entry: Entry,
     },
     Renew {
         id: u64,
-        way: Way,
+        entry: Entry,
     },
     End {
         id: u64,
@@ -200,22 +200,7 @@ impl EtcdStore {
     fn pump(&mut self, now: u64) {
         let background = self.background.ready(now);
         if background {
-            for retention_s in self.retentions.clone() {
-                let fresh = self
-                    .retention
-                    .get(&retention_s)
-                    .is_some_and(|(_, until)| now + slack_s(retention_s) * 500 < *until);
-                if !fresh && self.retention_pending.insert(retention_s) {
-                    self.grant_retention(retention_s, now);
-                }
-            }
-        }
-        if self.lease.is_none() && !self.lease_pending && background {
-            self.lease_pending = true;
-            let body = protocol::grant_body(self.lease_ttl_s);
-            if !self.send(protocol::GRANT_PATH, body, Op::GrantReplica, now) {
-                self.lease_pending = false;
-            }
+            self.keep_leases(now);
         }
         if self.lease.is_none() && !self.lease_pending {
             // No lease and none coming: the queued claims cannot be sent.
@@ -241,6 +226,25 @@ impl EtcdStore {
                 if !self.send(protocol::TXN_PATH, body, op, now) {
                     self.cleanups.push((key, value));
                 }
+            }
+        }
+    }
+
+    /// The VM's lease, and a retention lease for every policy's retention, so that
+    /// completions do not wait for a grant.
+    fn keep_leases(&mut self, now: u64) {
+        for retention_s in self.retentions.clone() {
+            let fresh =
+                self.retention.get(&retention_s).is_some_and(|(_, until)| now + slack_s(retention_s) * 500 < *until);
+            if !fresh && self.retention_pending.insert(retention_s) {
+                self.grant_retention(retention_s, now);
+            }
+        }
+        if self.lease.is_none() && !self.lease_pending {
+            self.lease_pending = true;
+            let body = protocol::grant_body(self.lease_ttl_s);
+            if !self.send(protocol::GRANT_PATH, body, Op::GrantReplica, now) {
+                self.lease_pending = false;
             }
         }
     }

@@ -3,20 +3,22 @@
 
 use super::protocol::{self, ErrorKind, EtcdError, Kv, TxnResult};
 use super::{slack_s, Ending, EtcdStore, Op};
-use crate::engine::{Change, StoreError};
-use crate::entry::{decode_entry, encode_entry, State, Way};
+use crate::encoding::{decode_entry, encode_entry, Entry, State};
 use crate::store::{Answer, Completed, For};
+use crate::table::{Change, StoreError};
 
 impl EtcdStore {
     /// Routes an answer to the operation it belongs to.
     pub(super) fn on_answer(&mut self, op: Op, status: u16, body: &[u8], now: u64) {
         match op {
-            Op::Claim { round, value, way } => self.on_claim(round, value, way, protocol::parse_txn(status, body), now),
-            Op::Read { round } => self.on_read(round, status, body, now),
-            Op::Verify { round, id, value, way } => {
-                self.on_verify(round, id, value, way, protocol::parse_txn(status, body), now)
+            Op::Claim { round, value, entry } => {
+                self.on_claim(round, value, entry, protocol::parse_txn(status, body), now)
             }
-            Op::Renew { id, way } => self.on_renew(id, way, protocol::parse_txn(status, body), now),
+            Op::Read { round } => self.on_read(round, status, body, now),
+            Op::Verify { round, id, value, entry } => {
+                self.on_verify(round, id, value, entry, protocol::parse_txn(status, body), now)
+            }
+            Op::Renew { id, entry } => self.on_renew(id, entry, protocol::parse_txn(status, body), now),
             Op::End { id } => self.on_end(id, protocol::parse_txn(status, body), now),
             Op::Cleanup { key, value } => {
                 if protocol::parse_txn(status, body).is_err() {
@@ -70,10 +72,10 @@ impl EtcdStore {
         if o.busy || o.ending.is_some() {
             return;
         }
-        let way = Way { deadline_ms: now.saturating_add(lease_ms), ..o.way };
-        let body = protocol::replace_txn(&o.key, o.mod_revision, &encode_entry(&way, None), lease);
+        let entry = Entry { deadline_ms: now.saturating_add(lease_ms), ..o.entry };
+        let body = protocol::replace_txn(&o.key, o.mod_revision, &encode_entry(&entry, None), lease);
         o.busy = true;
-        if !self.send(protocol::TXN_PATH, body, Op::Renew { id, way }, now) {
+        if !self.send(protocol::TXN_PATH, body, Op::Renew { id, entry }, now) {
             if let Some(o) = self.owners.get_mut(&id) {
                 o.busy = false;
             }
@@ -84,16 +86,16 @@ impl EtcdStore {
     /// that etcd applied but did not acknowledge moved its revision on.
     fn adopt_if_ours(&mut self, id: u64, kv: &Kv) -> bool {
         let Some(o) = self.owners.get_mut(&id) else { return false };
-        let Ok((way, _)) = decode_entry(&kv.value) else { return false };
-        let ours = way.state == State::InProgress && way.gen == o.way.gen && way.key == o.way.key;
+        let Ok((entry, _)) = decode_entry(&kv.value) else { return false };
+        let ours = entry.state == State::InProgress && entry.gen == o.entry.gen && entry.key == o.entry.key;
         if ours {
             o.mod_revision = kv.mod_revision;
-            o.way = way;
+            o.entry = entry;
         }
         ours
     }
 
-    fn on_renew(&mut self, id: u64, way: Way, result: Result<TxnResult, EtcdError>, now: u64) {
+    fn on_renew(&mut self, id: u64, entry: Entry, result: Result<TxnResult, EtcdError>, now: u64) {
         if let Some(o) = self.owners.get_mut(&id) {
             o.busy = false;
         }
@@ -101,7 +103,7 @@ impl EtcdStore {
             Ok(TxnResult { succeeded: true, revision, .. }) => {
                 if let Some(o) = self.owners.get_mut(&id) {
                     o.mod_revision = revision;
-                    o.way = way;
+                    o.entry = entry;
                 }
             }
             Ok(TxnResult { current: Some(kv), .. }) if self.adopt_if_ours(id, &kv) => {}
@@ -135,8 +137,9 @@ impl EtcdStore {
                 };
                 let state = if response.is_some() { State::Completed } else { State::CompletedNoBody };
                 let bytes = response.as_ref().map_or(0, |r| r.stored_len() as u32);
-                let way = Way { state, deadline_ms: now.saturating_add(*retention_ms), since_ms: now, bytes, ..o.way };
-                protocol::replace_txn(&o.key, o.mod_revision, &encode_entry(&way, response.as_deref()), lease)
+                let entry =
+                    Entry { state, deadline_ms: now.saturating_add(*retention_ms), since_ms: now, bytes, ..o.entry };
+                protocol::replace_txn(&o.key, o.mod_revision, &encode_entry(&entry, response.as_deref()), lease)
             }
             None => return,
         };

@@ -6,7 +6,7 @@ use std::rc::Rc;
 use super::model::Model;
 use super::EtcdStore;
 use crate::config::{EtcdConfig, OnUnavailable};
-use crate::entry::StoredResponse;
+use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Counter;

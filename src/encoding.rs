@@ -1,21 +1,21 @@
-//! Encodings of what the table stores: buckets of entry headers ("ways") and stored responses.
+//! Encodings of what the table stores: buckets of entry headers and stored responses.
 //!
 //! Compact and binary: a bucket is read and CAS-written on every claim, so it is kept small
-//! and decoded lazily, one way at a time. Anything read back is checked: a corrupt or foreign
+//! and decoded lazily, one entry at a time. Anything read back is checked: a corrupt or foreign
 //! value is an error (answered 503), never a panic.
 
 use crate::fingerprint::Fingerprint;
 
 /// Entries per bucket. A claim decides on one bucket (one CAS on one shared-data key), so a
 /// key can only live in its own bucket, and room is made there (eviction, byte budget).
-pub const WAYS: usize = 64;
-const WAY_BYTES: usize = 1 + 8 + 16 + 16 + 8 + 8 + 4;
-/// Format 2: ways carry their age and size, buckets the last token they handed out.
+pub const ENTRIES: usize = 64;
+const ENTRY_BYTES: usize = 1 + 8 + 16 + 16 + 8 + 8 + 4;
+/// Format 2: entries carry their age and size, buckets the last token they handed out.
 const BUCKET_MAGIC: [u8; 2] = [b'B', 2];
 const BUCKET_HEAD: usize = BUCKET_MAGIC.len() + 8;
-pub const BUCKET_BYTES: usize = BUCKET_HEAD + WAYS * WAY_BYTES;
+pub const BUCKET_BYTES: usize = BUCKET_HEAD + ENTRIES * ENTRY_BYTES;
 
-/// The part of the store key kept in a way; the rest of the hash chose the bucket.
+/// The part of the store key kept in a entry; the rest of the hash chose the bucket.
 pub type KeyTag = [u8; 16];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,7 +47,7 @@ impl State {
 /// renew, and it fences late writers. Tokens grow with every claim of a bucket (and with the
 /// clock, across restarts), so later claims of one key always carry larger ones (SPEC §3.9).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Way {
+pub struct Entry {
     pub state: State,
     pub gen: u64,
     pub key: KeyTag,
@@ -60,8 +60,8 @@ pub struct Way {
     pub bytes: u32,
 }
 
-impl Way {
-    pub const FREE: Way = Way {
+impl Entry {
+    pub const FREE: Entry = Entry {
         state: State::Free,
         gen: 0,
         key: [0; 16],
@@ -71,7 +71,7 @@ impl Way {
         bytes: 0,
     };
 
-    /// Whether the way holds a live entry at `now` (an expired entry binds nothing).
+    /// Whether the entry holds a live entry at `now` (an expired entry binds nothing).
     pub fn is_live(&self, now_ms: u64) -> bool {
         self.state != State::Free && now_ms < self.deadline_ms
     }
@@ -85,7 +85,7 @@ impl Way {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Corrupt(pub &'static str);
 
-/// A bucket as stored: magic, the last claim token handed out, then `WAYS` fixed-size ways.
+/// A bucket as stored: magic, the last claim token handed out, then `ENTRIES` fixed-size entries.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Bucket {
     bytes: Vec<u8>,
@@ -99,7 +99,7 @@ impl Bucket {
         Bucket { bytes }
     }
 
-    /// Checks the size and magic; each way is checked when it is read (`way`).
+    /// Checks the size and magic; each entry is checked when it is read (`entry`).
     pub fn decode(bytes: Vec<u8>) -> Result<Bucket, Corrupt> {
         if bytes.len() != BUCKET_BYTES || bytes.get(..2) != Some(&BUCKET_MAGIC[..]) {
             return Err(Corrupt("bucket: wrong size or magic"));
@@ -111,15 +111,15 @@ impl Bucket {
         &self.bytes
     }
 
-    pub fn way(&self, i: usize) -> Result<Way, Corrupt> {
-        let start = BUCKET_HEAD + i * WAY_BYTES;
-        parse_way(self.bytes.get(start..start + WAY_BYTES).ok_or(Corrupt("bucket: way out of range"))?)
+    pub fn entry(&self, i: usize) -> Result<Entry, Corrupt> {
+        let start = BUCKET_HEAD + i * ENTRY_BYTES;
+        parse_entry(self.bytes.get(start..start + ENTRY_BYTES).ok_or(Corrupt("bucket: entry out of range"))?)
     }
 
-    pub fn set_way(&mut self, i: usize, way: &Way) {
-        let start = BUCKET_HEAD + i * WAY_BYTES;
-        if let Some(raw) = self.bytes.get_mut(start..start + WAY_BYTES) {
-            raw.copy_from_slice(&way_bytes(way));
+    pub fn set_entry(&mut self, i: usize, entry: &Entry) {
+        let start = BUCKET_HEAD + i * ENTRY_BYTES;
+        if let Some(raw) = self.bytes.get_mut(start..start + ENTRY_BYTES) {
+            raw.copy_from_slice(&entry_bytes(entry));
         }
     }
 
@@ -135,16 +135,16 @@ impl Bucket {
     }
 }
 
-fn way_bytes(way: &Way) -> [u8; WAY_BYTES] {
-    let mut w = [0u8; WAY_BYTES];
+fn entry_bytes(entry: &Entry) -> [u8; ENTRY_BYTES] {
+    let mut w = [0u8; ENTRY_BYTES];
     let parts: [&[u8]; 7] = [
-        &[way.state as u8],
-        &way.gen.to_le_bytes(),
-        &way.key,
-        &way.fingerprint.0,
-        &way.deadline_ms.to_le_bytes(),
-        &way.since_ms.to_le_bytes(),
-        &way.bytes.to_le_bytes(),
+        &[entry.state as u8],
+        &entry.gen.to_le_bytes(),
+        &entry.key,
+        &entry.fingerprint.0,
+        &entry.deadline_ms.to_le_bytes(),
+        &entry.since_ms.to_le_bytes(),
+        &entry.bytes.to_le_bytes(),
     ];
     let mut at = 0;
     for part in parts {
@@ -156,9 +156,9 @@ fn way_bytes(way: &Way) -> [u8; WAY_BYTES] {
     w
 }
 
-fn parse_way(raw: &[u8]) -> Result<Way, Corrupt> {
+fn parse_entry(raw: &[u8]) -> Result<Entry, Corrupt> {
     let mut r = Reader(raw);
-    Ok(Way {
+    Ok(Entry {
         state: State::from_byte(r.u8()?).ok_or(Corrupt("entry: unknown state"))?,
         gen: r.u64()?,
         key: r.array()?,
@@ -173,41 +173,41 @@ const ENTRY_MAGIC: [u8; 2] = [b'E', 2];
 
 /// One entry as a value of its own (the etcd store): its header, then the stored response when
 /// it is completed with one, stamped here with the entry's `gen` and key.
-pub fn encode_entry(way: &Way, response: Option<&StoredResponse>) -> Vec<u8> {
-    let mut out = Vec::with_capacity(2 + WAY_BYTES + response.map_or(0, StoredResponse::stored_len));
+pub fn encode_entry(entry: &Entry, response: Option<&StoredResponse>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + ENTRY_BYTES + response.map_or(0, StoredResponse::stored_len));
     out.extend_from_slice(&ENTRY_MAGIC);
-    out.extend_from_slice(&way_bytes(way)[..]);
+    out.extend_from_slice(&entry_bytes(entry)[..]);
     if let Some(r) = response {
         out.extend_from_slice(r.as_bytes());
         let at = out.len() - STAMP_BYTES;
         if let Some(stamp) = out.get_mut(at..at + 8 + 16) {
             let (gen, key) = stamp.split_at_mut(8);
-            gen.copy_from_slice(&way.gen.to_le_bytes());
-            key.copy_from_slice(&way.key);
+            gen.copy_from_slice(&entry.gen.to_le_bytes());
+            key.copy_from_slice(&entry.key);
         }
     }
     out
 }
 
-pub fn decode_entry(bytes: &[u8]) -> Result<(Way, Option<StoredResponse>), Corrupt> {
+pub fn decode_entry(bytes: &[u8]) -> Result<(Entry, Option<StoredResponse>), Corrupt> {
     if bytes.get(..2) != Some(&ENTRY_MAGIC[..]) {
         return Err(Corrupt("entry: wrong magic"));
     }
-    let raw = bytes.get(2..2 + WAY_BYTES).ok_or(Corrupt("entry: truncated"))?;
-    let way = parse_way(raw)?;
-    let rest = bytes.get(2 + WAY_BYTES..).unwrap_or_default();
-    let response = match (way.state, rest.is_empty()) {
+    let raw = bytes.get(2..2 + ENTRY_BYTES).ok_or(Corrupt("entry: truncated"))?;
+    let entry = parse_entry(raw)?;
+    let rest = bytes.get(2 + ENTRY_BYTES..).unwrap_or_default();
+    let response = match (entry.state, rest.is_empty()) {
         (State::Completed, false) => {
             let (gen, key, r) = StoredResponse::decode(rest.to_vec())?;
-            if gen != way.gen || key != way.key {
+            if gen != entry.gen || key != entry.key {
                 return Err(Corrupt("entry: response stamp differs"));
             }
             Some(r)
         }
-        (_, true) if way.state != State::Completed => None,
+        (_, true) if entry.state != State::Completed => None,
         _ => return Err(Corrupt("entry: response does not match state")),
     };
-    Ok((way, response))
+    Ok((entry, response))
 }
 
 const RESPONSE_MAGIC: [u8; 2] = [b'R', 2];
@@ -427,8 +427,8 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
 
-    fn way(state: State) -> Way {
-        Way {
+    fn entry(state: State) -> Entry {
+        Entry {
             state,
             gen: 7,
             key: [3; 16],
@@ -443,11 +443,11 @@ mod tests {
     fn bucket_round_trip() {
         let mut b = Bucket::empty();
         assert_eq!(b.as_bytes().len(), BUCKET_BYTES);
-        b.set_way(WAYS - 1, &way(State::Completed));
+        b.set_entry(ENTRIES - 1, &entry(State::Completed));
         let b2 = Bucket::decode(b.as_bytes().to_vec()).unwrap();
-        assert_eq!(b2.way(WAYS - 1).unwrap(), way(State::Completed));
-        assert_eq!(b2.way(0).unwrap(), Way::FREE);
-        assert!(b2.way(WAYS).is_err());
+        assert_eq!(b2.entry(ENTRIES - 1).unwrap(), entry(State::Completed));
+        assert_eq!(b2.entry(0).unwrap(), Entry::FREE);
+        assert!(b2.entry(ENTRIES).is_err());
     }
 
     #[test]
@@ -468,10 +468,10 @@ mod tests {
         assert!(Bucket::decode(vec![]).is_err());
         assert!(Bucket::decode(b"foreign value".to_vec()).is_err());
         let mut bytes = Bucket::empty().as_bytes().to_vec();
-        bytes[BUCKET_HEAD] = 9; // unknown state in way 0
+        bytes[BUCKET_HEAD] = 9; // unknown state in entry 0
         let bucket = Bucket::decode(bytes).unwrap();
-        assert!(bucket.way(0).is_err());
-        assert!(bucket.way(1).is_ok());
+        assert!(bucket.entry(0).is_err());
+        assert!(bucket.entry(1).is_ok());
     }
 
     fn sample() -> StoredResponse {
@@ -514,12 +514,12 @@ mod tests {
 
     #[test]
     fn entry_round_trip_and_consistency() {
-        let done = way(State::Completed);
+        let done = entry(State::Completed);
         let mut resp = StoredResponse::new(201, [("a", &b"b"[..])], b"x".to_vec());
         resp.stamp(done.gen, &done.key);
         let bytes = encode_entry(&done, Some(&resp));
         assert_eq!(decode_entry(&bytes).unwrap(), (done, Some(resp.clone())));
-        let mark = Way { state: State::InProgress, ..done };
+        let mark = Entry { state: State::InProgress, ..done };
         assert_eq!(decode_entry(&encode_entry(&mark, None)).unwrap(), (mark, None));
         // A completed entry must carry its response; a mark must not.
         assert!(decode_entry(&encode_entry(&done, None)).is_err());

@@ -2,18 +2,18 @@
 //! and the time as a number the caller passes in.
 //!
 //! # Layout
-//! The table has `buckets` buckets of [`WAYS`] entries. A store key hashes to one bucket; the
+//! The table has `buckets` buckets of [`ENTRIES`] entries. A store key hashes to one bucket; the
 //! bucket is one shared-data key holding the headers of its entries (state, owner token,
 //! fingerprint, deadline, age, size). Every decision about a key is taken from that one value
 //! and committed with one CAS on it, the only atomic step shared data offers (SPEC §4).
-//! Responses live beside it, one data key per way, written by the owner before it flips the
-//! way to *completed*. All keys are created once, up front, so a CAS never meets the "set on a
+//! Responses live beside it, one data key per entry, written by the owner before it flips the
+//! entry to *completed*. All keys are created once, up front, so a CAS never meets the "set on a
 //! missing key ignores cas" flaw, and memory is bounded by the table size, however many
 //! distinct keys pass through.
 //!
 //! # Room (SPEC §3.4)
 //! A bucket is also the part of the table where room is made: a new key that finds no free or
-//! expired way evicts the bucket's oldest completed entry, and a completion that would take the
+//! expired entry evicts the bucket's oldest completed entry, and a completion that would take the
 //! bucket's stored responses past its share of `max_store_bytes` evicts the oldest completed
 //! entries first. Both happen inside the CAS that decides. In-progress marks are never evicted:
 //! a claim is refused (`Full`) only by a bucket of live marks.
@@ -25,11 +25,14 @@
 //! replaces a newer stamp, so an owner whose mark was taken over cannot clobber the new
 //! owner's response (SPEC §3.8).
 
-use crate::entry::{Bucket, Corrupt, KeyTag, State, StoredResponse, Way, WAYS};
+use crate::encoding::{Bucket, Corrupt, Entry, KeyTag, State, StoredResponse, ENTRIES};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::retention::EvictionWindow;
-use crate::store::{KvError, SharedKv};
+mod kv;
+pub mod memory;
+
+pub use kv::{KvError, SharedKv};
 
 /// CAS attempts before an operation gives up (contention on one bucket from other workers).
 const MAX_ATTEMPTS: usize = 64;
@@ -59,7 +62,7 @@ impl From<Corrupt> for StoreError {
     }
 }
 
-/// The claim of one way: proof of ownership for completion, release and renewal.
+/// The claim of one entry: proof of ownership for completion, release and renewal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ticket {
     pub slot: u32,
@@ -85,8 +88,8 @@ pub struct Change {
 
 impl Change {
     /// An entry leaves the table (`evicted`: it was live, pushed out to make room).
-    fn remove(&mut self, way: &Way, now_ms: u64, evicted: bool) {
-        match way.state {
+    fn remove(&mut self, entry: &Entry, now_ms: u64, evicted: bool) {
+        match entry.state {
             State::Free => return,
             State::InProgress => {
                 self.in_progress -= 1;
@@ -94,10 +97,10 @@ impl Change {
             }
             State::Completed | State::CompletedNoBody => self.completed -= 1,
         }
-        self.bytes -= i64::from(way.bytes);
+        self.bytes -= i64::from(entry.bytes);
         if evicted {
             self.evicted += 1;
-            let age = now_ms.saturating_sub(way.since_ms);
+            let age = now_ms.saturating_sub(entry.since_ms);
             self.youngest_evicted_ms = Some(self.youngest_evicted_ms.map_or(age, |y| y.min(age)));
         }
     }
@@ -143,14 +146,14 @@ pub enum Completed {
 /// The pure decision for one request against its bucket (SPEC §3.3–3.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    /// Take `way`: free, expired, or the bucket's oldest completed entry (evicted).
+    /// Take `entry`: free, expired, or the bucket's oldest completed entry (evicted).
     Claim {
-        way: usize,
+        entry: usize,
         takeover: bool,
     },
     InProgress,
     Completed {
-        way: usize,
+        entry: usize,
         no_body: bool,
     },
     Mismatch,
@@ -162,55 +165,55 @@ pub fn decide(bucket: &Bucket, key: &KeyTag, fingerprint: &Fingerprint, now_ms: 
     let mut free = None;
     let mut expired = None;
     let mut oldest: Option<(usize, u64)> = None;
-    for i in 0..WAYS {
-        let way = bucket.way(i)?;
-        if way.state == State::Free {
+    for i in 0..ENTRIES {
+        let entry = bucket.entry(i)?;
+        if entry.state == State::Free {
             free = free.or(Some(i));
             continue;
         }
-        if !way.is_live(now_ms) {
-            if way.key == *key {
-                // Reuse the key's own way: a takeover when it was an in-progress mark.
-                expired_same_key = Some((i, way.state == State::InProgress));
+        if !entry.is_live(now_ms) {
+            if entry.key == *key {
+                // Reuse the key's own entry: a takeover when it was an in-progress mark.
+                expired_same_key = Some((i, entry.state == State::InProgress));
             }
             expired = expired.or(Some(i));
             continue;
         }
-        if way.key == *key {
+        if entry.key == *key {
             // A live entry for this key: at most one exists, because claims are decided here.
-            return Ok(judge_live(&way, i, fingerprint));
+            return Ok(judge_live(&entry, i, fingerprint));
         }
-        if way.state.is_completed() && oldest.is_none_or(|(_, since)| way.since_ms < since) {
-            oldest = Some((i, way.since_ms));
+        if entry.state.is_completed() && oldest.is_none_or(|(_, since)| entry.since_ms < since) {
+            oldest = Some((i, entry.since_ms));
         }
     }
     let room = expired_same_key.or(free.map(|i| (i, false))).or(expired.map(|i| (i, false)));
     Ok(match room.or(oldest.map(|(i, _)| (i, false))) {
-        Some((way, takeover)) => Decision::Claim { way, takeover },
+        Some((entry, takeover)) => Decision::Claim { entry, takeover },
         None => Decision::Full,
     })
 }
 
 /// A live entry of the request's key: conflict, replay or mismatch.
-fn judge_live(way: &Way, index: usize, fingerprint: &Fingerprint) -> Decision {
-    if way.fingerprint != *fingerprint {
+fn judge_live(entry: &Entry, index: usize, fingerprint: &Fingerprint) -> Decision {
+    if entry.fingerprint != *fingerprint {
         return Decision::Mismatch;
     }
-    match way.state {
+    match entry.state {
         State::InProgress => Decision::InProgress,
-        State::Completed => Decision::Completed { way: index, no_body: false },
-        State::CompletedNoBody => Decision::Completed { way: index, no_body: true },
-        State::Free => Decision::Claim { way: index, takeover: false },
+        State::Completed => Decision::Completed { entry: index, no_body: false },
+        State::CompletedNoBody => Decision::Completed { entry: index, no_body: true },
+        State::Free => Decision::Claim { entry: index, takeover: false },
     }
 }
 
 /// The decision for a store that keeps one value per key (etcd): `entry` is the key's value,
-/// if any. A claim's `way` is meaningless there (0).
-pub fn decide_entry(entry: Option<&Way>, fingerprint: &Fingerprint, now_ms: u64) -> Decision {
+/// if any. A claim's `entry` is meaningless there (0).
+pub fn decide_entry(entry: Option<&Entry>, fingerprint: &Fingerprint, now_ms: u64) -> Decision {
     match entry {
-        Some(way) if way.is_live(now_ms) => judge_live(way, 0, fingerprint),
-        Some(way) => Decision::Claim { way: 0, takeover: way.state == State::InProgress },
-        None => Decision::Claim { way: 0, takeover: false },
+        Some(entry) if entry.is_live(now_ms) => judge_live(entry, 0, fingerprint),
+        Some(entry) => Decision::Claim { entry: 0, takeover: entry.state == State::InProgress },
+        None => Decision::Claim { entry: 0, takeover: false },
     }
 }
 
@@ -226,7 +229,7 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// A table that holds at least `capacity` entries, `ceil(capacity / WAYS)` buckets, and
+    /// A table that holds at least `capacity` entries, `ceil(capacity / ENTRIES)` buckets, and
     /// at most `max_store_bytes` of stored responses.
     pub fn new(namespace: &str, capacity: usize, max_store_bytes: u64) -> Layout {
         let buckets = Layout::buckets_for(capacity);
@@ -236,7 +239,7 @@ impl Layout {
 
     /// The number of buckets of a table of `capacity` entries.
     pub fn buckets_for(capacity: usize) -> u32 {
-        capacity.div_ceil(WAYS).clamp(1, u32::MAX as usize) as u32
+        capacity.div_ceil(ENTRIES).clamp(1, u32::MAX as usize) as u32
     }
 
     fn name(&self, kind: char, n: u32) -> String {
@@ -252,7 +255,7 @@ impl Layout {
     }
 
     pub fn entries(&self) -> usize {
-        self.buckets as usize * WAYS
+        self.buckets as usize * ENTRIES
     }
 
     pub fn bucket_bytes(&self) -> u64 {
@@ -306,15 +309,15 @@ fn push_decimal(out: &mut String, mut n: u32) {
 }
 
 fn split_slot(slot: u32) -> (u32, usize) {
-    (slot / WAYS as u32, slot as usize % WAYS)
+    (slot / ENTRIES as u32, slot as usize % ENTRIES)
 }
 
-fn slot_of(bucket: u32, way: usize) -> u32 {
-    bucket * WAYS as u32 + way as u32
+fn slot_of(bucket: u32, entry: usize) -> u32 {
+    bucket * ENTRIES as u32 + entry as u32
 }
 
 /// Frees completed entries of `bucket` (other than `own`) until `needed` more bytes fit in
-/// `budget`: expired ones first, then the oldest. Returns the freed ways (slot, gen).
+/// `budget`: expired ones first, then the oldest. Returns the freed entries (slot, gen).
 fn make_room(
     bucket: &mut Bucket,
     bucket_id: u32,
@@ -324,13 +327,13 @@ fn make_room(
     now_ms: u64,
     change: &mut Change,
 ) -> Result<Vec<(u32, u64)>, Corrupt> {
-    let mut held: Vec<(usize, Way)> = Vec::new();
+    let mut held: Vec<(usize, Entry)> = Vec::new();
     let mut total = 0u64;
-    for i in (0..WAYS).filter(|i| *i != own) {
-        let way = bucket.way(i)?;
-        if way.bytes > 0 && way.state.is_completed() {
-            total += u64::from(way.bytes);
-            held.push((i, way));
+    for i in (0..ENTRIES).filter(|i| *i != own) {
+        let entry = bucket.entry(i)?;
+        if entry.bytes > 0 && entry.state.is_completed() {
+            total += u64::from(entry.bytes);
+            held.push((i, entry));
         }
     }
     let mut freed = Vec::new();
@@ -339,16 +342,25 @@ fn make_room(
     }
     // Expired entries first, then by age.
     held.sort_by_key(|(_, w)| (w.is_live(now_ms), w.since_ms));
-    for (i, way) in held {
+    for (i, entry) in held {
         if total + needed <= budget {
             break;
         }
-        total -= u64::from(way.bytes);
-        change.remove(&way, now_ms, way.is_live(now_ms));
-        bucket.set_way(i, &Way { gen: way.gen, ..Way::FREE });
-        freed.push((slot_of(bucket_id, i), way.gen));
+        total -= u64::from(entry.bytes);
+        change.remove(&entry, now_ms, entry.is_live(now_ms));
+        bucket.set_entry(i, &Entry { gen: entry.gen, ..Entry::FREE });
+        freed.push((slot_of(bucket_id, i), entry.gen));
     }
     Ok(freed)
+}
+
+/// A claim decided on a bucket, about to be written.
+struct Claiming<'a> {
+    bucket_id: u32,
+    entry: usize,
+    tag: KeyTag,
+    fingerprint: &'a Fingerprint,
+    takeover: bool,
 }
 
 /// The idempotency table over a [`SharedKv`].
@@ -383,7 +395,7 @@ impl<S: SharedKv> Table<S> {
                 self.store.set(&key, empty.as_bytes(), None)?;
             }
         }
-        for slot in 0..(self.layout.buckets as usize * WAYS) as u32 {
+        for slot in 0..(self.layout.buckets as usize * ENTRIES) as u32 {
             let key = self.layout.data_key(slot);
             if self.store.get(&key)?.1.is_none() {
                 self.store.set(&key, b"", None)?;
@@ -426,79 +438,96 @@ impl<S: SharedKv> Table<S> {
         lease_ms: u64,
     ) -> Result<Begin, StoreError> {
         let (bucket_id, tag) = self.layout.locate(key);
-        // A completed way whose data key did not hold its response, last round.
+        // A completed entry whose data key did not hold its response, last round.
         let mut unmatched: Option<(usize, u64)> = None;
         for _ in 0..MAX_ATTEMPTS {
-            let (mut bucket, cas) = self.read_bucket(bucket_id)?;
+            let (bucket, cas) = self.read_bucket(bucket_id)?;
             match decide(&bucket, &tag, fingerprint, now_ms)? {
-                Decision::Claim { way, takeover } => {
-                    let old = bucket.way(way)?;
-                    let claimed = Way {
-                        state: State::InProgress,
-                        gen: bucket.next_token(now_ms),
-                        key: tag,
-                        fingerprint: *fingerprint,
-                        deadline_ms: now_ms.saturating_add(lease_ms),
-                        since_ms: now_ms,
-                        bytes: 0,
-                    };
-                    bucket.set_way(way, &claimed);
-                    if self.write_bucket(bucket_id, &bucket, cas)? {
-                        let slot = slot_of(bucket_id, way);
-                        let mut change = Change { in_progress: 1, ..Change::default() };
-                        change.remove(&old, now_ms, old.is_evictable(now_ms));
-                        if takeover {
-                            change.expired_marks -= 1; // counted as a takeover instead
-                        }
-                        if old.bytes > 0 {
-                            // Free the old response; fenced like every blank (a blind write
-                            // could meet a newer owner's if clocks disagreed by a lease).
-                            self.blank_data(slot, old.gen)?;
-                        }
-                        let ticket = Ticket { slot, gen: claimed.gen, key: tag };
-                        return Ok(Begin::Claimed { ticket, takeover, change });
+                Decision::Claim { entry, takeover } => {
+                    let claim = Claiming { bucket_id, entry, tag, fingerprint, takeover };
+                    if let Some(claimed) = self.try_claim(bucket, cas, claim, now_ms, lease_ms)? {
+                        return Ok(claimed);
                     }
                 }
                 Decision::InProgress => return Ok(Begin::InProgress),
                 Decision::Mismatch => return Ok(Begin::Mismatch),
                 Decision::Full => return Ok(Begin::Full),
                 Decision::Completed { no_body: true, .. } => return Ok(Begin::CompletedWithoutBody),
-                Decision::Completed { way, no_body: false } => {
-                    let expected = bucket.way(way)?;
-                    if let Some(response) = self.read_response(slot_of(bucket_id, way), &expected)? {
+                Decision::Completed { entry, no_body: false } => {
+                    let expected = bucket.entry(entry)?;
+                    if let Some(response) = self.read_response(slot_of(bucket_id, entry), &expected)? {
                         return Ok(Begin::Replay(response));
                     }
-                    // The way changed hands between the two reads: decide again. Twice the
+                    // The entry changed hands between the two reads: decide again. Twice the
                     // same entry without its response is not a race but a damaged store.
-                    if unmatched == Some((way, expected.gen)) {
+                    if unmatched == Some((entry, expected.gen)) {
                         return Err(StoreError::Corrupt("entry: its response is missing or foreign"));
                     }
-                    unmatched = Some((way, expected.gen));
+                    unmatched = Some((entry, expected.gen));
                 }
             }
         }
         Err(StoreError::Contention)
     }
 
-    /// The stored response of `way`, or `None` if the data key no longer belongs to it.
-    fn read_response(&self, slot: u32, way: &Way) -> Result<Option<StoredResponse>, StoreError> {
+    /// One CAS that claims `entry` of the bucket just read; `None` when another worker wrote the
+    /// bucket first (decide again).
+    fn try_claim(
+        &self,
+        mut bucket: Bucket,
+        cas: u32,
+        c: Claiming,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<Option<Begin>, StoreError> {
+        let old = bucket.entry(c.entry)?;
+        let claimed = Entry {
+            state: State::InProgress,
+            gen: bucket.next_token(now_ms),
+            key: c.tag,
+            fingerprint: *c.fingerprint,
+            deadline_ms: now_ms.saturating_add(lease_ms),
+            since_ms: now_ms,
+            bytes: 0,
+        };
+        bucket.set_entry(c.entry, &claimed);
+        if !self.write_bucket(c.bucket_id, &bucket, cas)? {
+            return Ok(None);
+        }
+        let slot = slot_of(c.bucket_id, c.entry);
+        let mut change = Change { in_progress: 1, ..Change::default() };
+        change.remove(&old, now_ms, old.is_evictable(now_ms));
+        if c.takeover {
+            change.expired_marks -= 1; // counted as a takeover instead
+        }
+        if old.bytes > 0 {
+            // Free the old response; fenced like every blank (a blind write could meet a
+            // newer owner's if clocks disagreed by a lease).
+            self.blank_data(slot, old.gen)?;
+        }
+        let ticket = Ticket { slot, gen: claimed.gen, key: c.tag };
+        Ok(Some(Begin::Claimed { ticket, takeover: c.takeover, change }))
+    }
+
+    /// The stored response of `entry`, or `None` if the data key no longer belongs to it.
+    fn read_response(&self, slot: u32, entry: &Entry) -> Result<Option<StoredResponse>, StoreError> {
         let (value, _) = self.store.get(&self.layout.data_key(slot))?;
         let Some(bytes) = value else { return Ok(None) };
         let (gen, key, response) = StoredResponse::decode(bytes)?;
-        Ok((gen == way.gen && key == way.key).then_some(response))
+        Ok((gen == entry.gen && key == entry.key).then_some(response))
     }
 
-    /// Applies `change` to the ticket's way if the ticket still owns it (in progress, same gen).
-    fn update_owned(&self, t: &Ticket, change: impl Fn(&mut Way)) -> Result<Finish, StoreError> {
-        let (bucket_id, way_i) = split_slot(t.slot);
+    /// Applies `change` to the ticket's entry if the ticket still owns it (in progress, same gen).
+    fn update_owned(&self, t: &Ticket, change: impl Fn(&mut Entry)) -> Result<Finish, StoreError> {
+        let (bucket_id, index) = split_slot(t.slot);
         for _ in 0..MAX_ATTEMPTS {
             let (mut bucket, cas) = self.read_bucket(bucket_id)?;
-            let mut way = bucket.way(way_i)?;
-            if !owns(&way, t) {
+            let mut entry = bucket.entry(index)?;
+            if !owns(&entry, t) {
                 return Ok(Finish::Lost);
             }
-            change(&mut way);
-            bucket.set_way(way_i, &way);
+            change(&mut entry);
+            bucket.set_entry(index, &entry);
             if self.write_bucket(bucket_id, &bucket, cas)? {
                 return Ok(Finish::Done);
             }
@@ -514,9 +543,9 @@ impl<S: SharedKv> Table<S> {
 
     /// Releases the key at once, so a retry can do the work (SPEC §3.4).
     pub fn release(&self, t: &Ticket) -> Result<Finish, StoreError> {
-        let done = self.update_owned(t, |w| *w = Way { gen: w.gen, ..Way::FREE })?;
+        let done = self.update_owned(t, |w| *w = Entry { gen: w.gen, ..Entry::FREE })?;
         if done == Finish::Done {
-            // Free what a racing late writer may have left in this way's data key.
+            // Free what a racing late writer may have left in this entry's data key.
             self.blank_data(t.slot, t.gen)?;
         }
         Ok(done)
@@ -541,24 +570,24 @@ impl<S: SharedKv> Table<S> {
                 None => return Ok(Completed::Lost),
             }
         }
-        let (bucket_id, way_i) = split_slot(t.slot);
+        let (bucket_id, index) = split_slot(t.slot);
         for _ in 0..MAX_ATTEMPTS {
             // The bucket read by the ownership check is usually still current: one CAS.
             let (mut bucket, cas) = match read.take() {
                 Some(fresh) => fresh,
                 None => self.read_bucket(bucket_id)?,
             };
-            let mut way = bucket.way(way_i)?;
-            if !owns(&way, t) {
+            let mut entry = bucket.entry(index)?;
+            if !owns(&entry, t) {
                 return Ok(Completed::Lost);
             }
             let mut change = Change { in_progress: -1, completed: 1, bytes: bytes as i64, ..Change::default() };
-            let freed = make_room(&mut bucket, bucket_id, way_i, bytes, self.layout.bucket_bytes, now_ms, &mut change)?;
-            way.state = if bytes > 0 { State::Completed } else { State::CompletedNoBody };
-            way.deadline_ms = now_ms.saturating_add(retention_ms);
-            way.since_ms = now_ms;
-            way.bytes = bytes as u32;
-            bucket.set_way(way_i, &way);
+            let freed = make_room(&mut bucket, bucket_id, index, bytes, self.layout.bucket_bytes, now_ms, &mut change)?;
+            entry.state = if bytes > 0 { State::Completed } else { State::CompletedNoBody };
+            entry.deadline_ms = now_ms.saturating_add(retention_ms);
+            entry.since_ms = now_ms;
+            entry.bytes = bytes as u32;
+            bucket.set_entry(index, &entry);
             if self.write_bucket(bucket_id, &bucket, cas)? {
                 for (slot, gen) in freed {
                     self.blank_data(slot, gen)?;
@@ -569,15 +598,15 @@ impl<S: SharedKv> Table<S> {
         Err(StoreError::Contention)
     }
 
-    /// Writes the response to the way's data key, fenced: never over a newer owner's stamp.
+    /// Writes the response to the entry's data key, fenced: never over a newer owner's stamp.
     /// Returns the bucket (and its cas) that proved ownership, or `None` if the ticket lost it.
     fn write_response(&self, t: &Ticket, response: &StoredResponse) -> Result<Option<(Bucket, u32)>, StoreError> {
-        let (bucket_id, way_i) = split_slot(t.slot);
+        let (bucket_id, index) = split_slot(t.slot);
         let key = self.layout.data_key(t.slot);
         for _ in 0..MAX_ATTEMPTS {
             // Check ownership first: a taken-over owner must not write at all.
             let (bucket, bucket_cas) = self.read_bucket(bucket_id)?;
-            if !owns(&bucket.way(way_i)?, t) {
+            if !owns(&bucket.entry(index)?, t) {
                 return Ok(None);
             }
             let (value, cas) = self.store.get(&key)?;
@@ -618,16 +647,16 @@ impl<S: SharedKv> Table<S> {
             let (mut bucket, cas) = self.read_bucket(bucket_id)?;
             let mut change = Change::default();
             let mut blank = Vec::new();
-            for i in 0..WAYS {
-                let way = bucket.way(i)?;
-                if way.state == State::Free || way.is_live(now_ms) {
+            for i in 0..ENTRIES {
+                let entry = bucket.entry(i)?;
+                if entry.state == State::Free || entry.is_live(now_ms) {
                     continue;
                 }
-                change.remove(&way, now_ms, false);
-                if way.bytes > 0 {
-                    blank.push((slot_of(bucket_id, i), way.gen));
+                change.remove(&entry, now_ms, false);
+                if entry.bytes > 0 {
+                    blank.push((slot_of(bucket_id, i), entry.gen));
                 }
-                bucket.set_way(i, &Way { gen: way.gen, ..Way::FREE });
+                bucket.set_entry(i, &Entry { gen: entry.gen, ..Entry::FREE });
             }
             if change == Change::default() {
                 return Ok(change);
@@ -665,14 +694,14 @@ impl<S: SharedKv> Table<S> {
     }
 }
 
-/// Whether `way` is still the ticket's in-progress mark.
-fn owns(way: &Way, t: &Ticket) -> bool {
-    way.state == State::InProgress && way.gen == t.gen && way.key == t.key
+/// Whether `entry` is still the ticket's in-progress mark.
+fn owns(entry: &Entry, t: &Ticket) -> bool {
+    entry.state == State::InProgress && entry.gen == t.gen && entry.key == t.key
 }
 
 /// The claim stamp of a data key's value: 0 when empty or not a response of ours.
 fn stamp_gen(value: Option<&[u8]>) -> u64 {
-    value.and_then(|v| crate::entry::response_stamp(v).ok()).map_or(0, |(gen, _)| gen)
+    value.and_then(|v| crate::encoding::response_stamp(v).ok()).map_or(0, |(gen, _)| gen)
 }
 
 #[cfg(test)]

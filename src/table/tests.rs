@@ -2,7 +2,7 @@
 //! #[cfg(test)] by engine.rs).
 
 use super::*;
-use crate::store::memory::MemoryKv;
+use crate::table::memory::MemoryKv;
 #[cfg(not(target_family = "wasm"))]
 use std::sync::atomic::{AtomicUsize, Ordering};
 #[cfg(not(target_family = "wasm"))]
@@ -100,9 +100,9 @@ fn release_lets_a_retry_claim_at_once() {
 
 #[test]
 fn later_claims_of_a_key_carry_larger_tokens_whatever_way_they_take() {
-    let t = table(WAYS);
+    let t = table(ENTRIES);
     let first = claim(&t, 1, 0);
-    // Other keys take the ways around it; the key's next claim lands elsewhere.
+    // Other keys take the entries around it; the key's next claim lands elsewhere.
     let others: Vec<Ticket> = (2..10).map(|k| claim(&t, k, 0)).collect();
     t.release(&first).unwrap();
     t.release(&others[0]).unwrap();
@@ -114,7 +114,7 @@ fn later_claims_of_a_key_carry_larger_tokens_whatever_way_they_take() {
         other => panic!("{other:?}"),
     };
     assert!(third.gen > second.gen);
-    let restarted = table(WAYS);
+    let restarted = table(ENTRIES);
     let after_restart = match restarted.begin(&key(1), &fp(1), LEASE + 1, LEASE).unwrap() {
         Begin::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
@@ -189,8 +189,8 @@ fn retention_ends_replay() {
 
 #[test]
 fn a_full_bucket_evicts_its_oldest_completed_entry_for_a_new_key() {
-    let t = table(WAYS); // one bucket
-    for k in 0..WAYS as u64 {
+    let t = table(ENTRIES); // one bucket
+    for k in 0..ENTRIES as u64 {
         let ticket = claim(&t, k, k);
         complete(&t, &ticket, &format!("r{k}"), 100 + k, RETENTION);
     }
@@ -204,15 +204,15 @@ fn a_full_bucket_evicts_its_oldest_completed_entry_for_a_new_key() {
     assert_eq!(change.bytes, -(response("r0").stored_len() as i64));
     // The oldest is gone (a retry of it runs again); the others still replay.
     assert!(matches!(t.begin(&key(0), &fp(1), 501, LEASE).unwrap(), Begin::Claimed { .. }));
-    for k in 2..WAYS as u64 {
+    for k in 2..ENTRIES as u64 {
         assert_eq!(replay_body(&t, k, 502), Some(format!("r{k}").into_bytes()), "key {k}");
     }
 }
 
 #[test]
 fn in_progress_marks_are_never_evicted() {
-    let t = table(WAYS);
-    let marks: Vec<Ticket> = (0..WAYS as u64 - 1).map(|k| claim(&t, k, 0)).collect();
+    let t = table(ENTRIES);
+    let marks: Vec<Ticket> = (0..ENTRIES as u64 - 1).map(|k| claim(&t, k, 0)).collect();
     let last = claim(&t, 500, 0);
     complete(&t, &last, "done", 1, RETENTION);
     // The one completed entry makes room; after that only live marks are left.
@@ -231,7 +231,7 @@ fn in_progress_marks_are_never_evicted() {
 fn the_byte_budget_evicts_the_oldest_responses_first() {
     let size = response(&"b".repeat(1000)).stored_len() as u64;
     // One bucket holding at most three such responses.
-    let t = table_with_budget(WAYS, 3 * size + 10);
+    let t = table_with_budget(ENTRIES, 3 * size + 10);
     let mut evicted = 0;
     let mut bytes = 0i64;
     for k in 0..10u64 {
@@ -250,12 +250,12 @@ fn the_byte_budget_evicts_the_oldest_responses_first() {
         assert_eq!(replay_body(&t, k, 200), Some(b"b".repeat(1000)), "key {k}");
     }
     // What the store really holds: three responses, the rest emptied.
-    assert!(t.store.value_bytes() < 3 * size as usize + 2 * crate::entry::BUCKET_BYTES);
+    assert!(t.store.value_bytes() < 3 * size as usize + 2 * crate::encoding::BUCKET_BYTES);
 }
 
 #[test]
 fn a_response_larger_than_a_bucket_share_completes_without_body() {
-    let t = table_with_budget(WAYS, 500);
+    let t = table_with_budget(ENTRIES, 500);
     let ticket = claim(&t, 1, 0);
     let c = complete(&t, &ticket, &"x".repeat(600), 1, RETENTION);
     assert!(matches!(c, Completed::WithoutBody(Change { bytes: 0, .. })), "{c:?}");
@@ -279,7 +279,7 @@ fn memory_is_bounded_however_many_keys_pass() {
     // Nothing expired: every new key evicted an old one, and the store kept its size.
     assert_eq!(t.store.key_count(), keys_after_create);
     let one = response(&"x".repeat(100)).stored_len();
-    assert!(t.store.value_bytes() <= 256 * one + 4 * crate::entry::BUCKET_BYTES + 64);
+    assert!(t.store.value_bytes() <= 256 * one + 4 * crate::encoding::BUCKET_BYTES + 64);
 }
 
 #[test]
@@ -302,7 +302,7 @@ fn a_claim_over_an_old_response_frees_it() {
     let a = claim(&t, 1, 0);
     complete(&t, &a, &"z".repeat(1000), 0, 10);
     let before = t.store.value_bytes();
-    let b = claim(&t, 1, 20); // reuses the expired way
+    let b = claim(&t, 1, 20); // reuses the expired entry
     assert_eq!(b.slot, a.slot);
     assert!(t.store.value_bytes() < before - 1000);
     t.release(&b).unwrap();
