@@ -434,7 +434,7 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
                  route_timeout_s=15, extra_routes=None, cluster_name="upstream",
                  vm_id="idempotency", with_plugin=True, extra_clusters=None,
                  extra_filters=None, wasm=None, buffer_limit_bytes=None,
-                 allow_on_headers_stop_iteration=True):
+                 allow_on_headers_stop_iteration=True, node=None):
     """The bootstrap as a dict; see envoy_yaml."""
     filters = []
     if with_plugin and plugin_config is not None:
@@ -467,6 +467,7 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
         "admin": {"address": {"socket_address": {"address": LOCALHOST,
                                                  "port_value": admin_port}}},
         "static_resources": {"listeners": [listener], "clusters": clusters},
+        **({"node": node} if node else {}),
     }
 
 
