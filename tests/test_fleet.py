@@ -4,6 +4,7 @@ Both Envoys are addressed with the same Host, as a fleet behind one name is (the
 includes the host).
 """
 
+import functools
 import signal
 import threading
 import time
@@ -11,8 +12,9 @@ import uuid
 
 import pytest
 
+import e2e_util
 from etcd_util import Etcd
-from harness import CALLER, Envoy, request, run_concurrently, static_cluster, wait_until
+from harness import Envoy, run_concurrently, static_cluster, wait_until
 
 HOST = "api.example"
 
@@ -39,10 +41,8 @@ def start_pair(upstream, etcd, **config):
     return a, b
 
 
-def post(envoy, key, timeout=10, **headers):
-    h = {"Idempotency-Key": key, "Host": HOST, "content-type": "application/json", CALLER[0]: CALLER[1]}
-    h.update({k.replace("_", "-"): str(v) for k, v in headers.items()})
-    return request(envoy.port, "POST", "/payments", h, b'{"amount":10}', timeout=timeout)
+# The tests' client, with this file's host and body.
+post = functools.partial(e2e_util.post, body=b'{"amount":10}', host=HOST, timeout=10)
 
 
 def retry_until_final(envoy, key, deadline_s=10):

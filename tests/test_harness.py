@@ -1,10 +1,12 @@
 """The harness itself, without the plugin: Envoy in front of the effect-counting upstream."""
 
+import functools
 import hashlib
 import os
 
 import pytest
 
+import e2e_util
 from harness import (Envoy, EnvoyStartError, abandon, envoy_yaml, request, run_concurrently,
                      static_cluster, validate_config, wait_until)
 
@@ -15,15 +17,12 @@ def proxy(upstream):
         yield envoy
 
 
-def post(port, key, body=b"{}", **headers):
-    hdrs = {"content-type": "application/json", **headers}
-    if key is not None:
-        hdrs["Idempotency-Key"] = key
-    return request(port, "POST", "/payments?x=1", hdrs, body)
+# The tests' client, with this file's path and body.
+post = functools.partial(e2e_util.post, path="/payments?x=1", body=b"{}")
 
 
 def test_proxies_post_and_counts_effects_per_key(upstream, proxy):
-    first = post(proxy.port, "a", b'{"amount":1}')
+    first = post(proxy.port, "a", body=b'{"amount":1}')
     post(proxy.port, "a")
     post(proxy.port, "b")
     post(proxy.port, None)

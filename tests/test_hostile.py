@@ -14,6 +14,7 @@ shared-data decoders are covered by the `entry` fuzz target and its corpus (`mak
 """
 
 import base64
+import functools
 import json
 import re
 import socket
@@ -25,7 +26,8 @@ import pytest
 
 from chaos import (ChaosUpstream, active_vms, etcd_key, log_tags, plugin_counters,
                    vm_failure_lines, vm_failure_stats)
-from e2e_util import raw_exchange_bytes
+import e2e_util
+from e2e_util import key_headers, raw_exchange_bytes
 from harness import CALLER, raw_request_bytes, request, static_cluster
 
 HOST = "hostile.example"
@@ -41,14 +43,11 @@ def new_key(tag):
 
 
 def headers_for(key, extra=()):
-    caller = [] if any(n.lower() == "authorization" for n, _ in extra) else [CALLER]
-    return [("Host", HOST), *caller, ("content-type", "application/json"), ("Idempotency-Key", key),
-            *extra]
+    return key_headers(key, extra, host=HOST)
 
 
-def post(envoy, key, body=BODY, extra=(), timeout=10):
-    return request(envoy.port, "POST", "/payments", headers_for(key, extra), body,
-                   timeout=timeout)
+# The tests' client, with this file's host and body.
+post = functools.partial(e2e_util.post, body=BODY, host=HOST, timeout=10)
 
 
 def raw_post(envoy, header_lines, body=BODY):

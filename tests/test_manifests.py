@@ -11,15 +11,13 @@ import importlib.util
 import json
 import os
 import re
-import signal
-import subprocess
 
 import jsonschema
 import pytest
 import yaml
 
 import harness
-from harness import REPO_ROOT, request, validate_config, wait_until
+from harness import REPO_ROOT, request, validate_config
 from jwt_util import istio_jwt_authn_filter, make_jwt
 
 ENVOY_DIR = os.path.join(REPO_ROOT, "envoy")
@@ -508,37 +506,17 @@ def test_envoyfilter_serves_the_plugin_over_ecds(wasm, upstream, envoyfilter, tm
     port, admin_port = harness.free_port(), harness.free_port()
     # As in a gateway: Istio's jwt_authn (RequestAuthentication) before the plugin.
     bootstrap = harness.envoy_config(port, admin_port, upstream.port, None, with_plugin=False,
-                                     extra_filters=[istio_jwt_authn_filter(), flt])
-    bootstrap["node"] = {"id": "gateway", "cluster": "gateway"}  # required by ECDS
-    config_path = tmp_path / "envoy.yaml"
-    config_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
-    log_path = tmp_path / "envoy.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([harness.envoy_binary(), "-c", str(config_path),
-                                 "--concurrency", "2", "--disable-hot-restart",
-                                 "-l", "warning"],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                     extra_filters=[istio_jwt_authn_filter(), flt],
+                                     node={"id": "gateway", "cluster": "gateway"})  # ECDS needs it
+    envoy = harness.Envoy(None, upstream.port, bootstrap=bootstrap, log_level="warning")
     try:
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"envoy exited:\n{harness.tail(log_path.read_text())}")
-            try:
-                return request(admin_port, "GET", "/ready", timeout=1).text.strip() == "LIVE"
-            except OSError:
-                return False
-        wait_until(ready, harness.ENVOY_START_TIMEOUT_S, 0.05, "envoy ready")
         headers = {"Idempotency-Key": "gw-1", "content-type": "application/json",
                    "authorization": f"Bearer {make_jwt('alice')}"}
         first = request(port, "POST", "/payments", headers, b'{"amount": 1}', timeout=10)
         again = request(port, "POST", "/payments", headers, b'{"amount": 1}', timeout=10)
         stats = request(admin_port, "GET", "/stats?filter=extension_config_discovery").text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(harness.ENVOY_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        envoy.stop()
     assert first.status == 201 and first.header("idempotent-replayed") is None
     assert again.status == 201 and again.header("idempotent-replayed") == "true"
     assert again.body == first.body

@@ -3,12 +3,14 @@
 Counters are process-wide (`wasmcustom.idempotency.<name>`), so one Envoy per test.
 """
 
+import functools
 import threading
 import time
 import uuid
 
 import pytest
 
+import e2e_util
 from harness import CALLER, request, wait_until
 
 NAMES = ["claimed", "replayed", "conflict", "waited", "released", "completed", "expired_takeover", "expired",
@@ -24,12 +26,8 @@ def gauges(envoy):
     return {n: envoy.stat(f"wasmcustom.idempotency.entries_{n}") for n in ("in_progress", "completed")}
 
 
-def post(port, key=None, body=b'{"a":1}', **headers):
-    h = {"content-type": "application/json", CALLER[0]: CALLER[1]}
-    if key is not None:
-        h["Idempotency-Key"] = key
-    h.update({k.replace("_", "-"): str(v) for k, v in headers.items()})
-    return request(port, "POST", "/pay", h, body)
+# The tests' client, with this file's path and body.
+post = functools.partial(e2e_util.post, path="/pay", body=b'{"a":1}')
 
 
 @pytest.mark.parametrize("forward", ["detached", "router"])
@@ -121,7 +119,7 @@ def test_expiry_and_upstream_failure_are_counted(wasm, upstream, make_envoy):
                                          "content-type": "application/json", CALLER[0]: CALLER[1]},
             b"{}", after_s=0.2)
     time.sleep(1.6)
-    assert post(envoy.port, key, body=b"{}", Host="api").status == 201
+    assert post(envoy.port, key, body=b"{}", host="api").status == 201
     stat = lambda name: envoy.stat(f"wasmcustom.idempotency.{name}")  # noqa: E731
     assert (stat("expired"), stat("expired_takeover"), stat("claimed")) == (1, 0, 2)
 

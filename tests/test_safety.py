@@ -12,7 +12,6 @@ import json
 import os
 import random
 import re
-import shutil
 import ssl
 import subprocess
 import time

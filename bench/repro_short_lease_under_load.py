@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Repro (not a test; pytest does not collect it): detached calls lose their in-progress
+"""Repro (not a test): detached calls lose their in-progress
 mark under load when lease_ms is short, and duplicates follow.
 
 Pairs of clients send the same key at about the same moment and leave after 0-30 ms
@@ -9,14 +9,14 @@ effect (SPEC §3.5: a detached call's mark is renewed while the call is in fligh
 lease_ms/4, and first due lease_ms/4 after the *dispatch*, not the claim) comes too late, the
 sweep or the pair's second request finds the mark expired, and the upstream runs twice.
 
-Run: .venv/bin/python tests/repro_short_lease_under_load.py [lease_ms=200] [pairs=1500]
+Run: .venv/bin/python bench/repro_short_lease_under_load.py [lease_ms=200] [pairs=1500]
 """
 
 import os
 import random
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from e2e_util import key_headers, new_key, plugin_counters  # noqa: E402
 from harness import Envoy, Upstream, abandon, run_concurrently, wait_until  # noqa: E402

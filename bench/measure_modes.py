@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Throughput of `forward: "router"` against `forward: "detached"`, measured in one run.
 
-Not a test (pytest does not collect this file): one upstream, two Envoys (one per mode), and
+Not a test: one upstream, two Envoys (one per mode), and
 N unique-key POSTs with T threads on keep-alive connections through each, interleaved
 (router, detached, router, detached, ...). Prints req/s per run and the ratio
 detached/router of the means. Absolute numbers are noise on a shared 2-core machine; the
 ratio within one run is the result (SPEC §4 measured 10-25 % cost for detached).
 
-Run: .venv/bin/python tests/measure_modes.py [--requests 3000] [--threads 16] [--rounds 2]
+Run: .venv/bin/python bench/measure_modes.py [--requests 3000] [--threads 16] [--rounds 2]
 """
 
 import argparse
@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from e2e_util import key_headers  # noqa: E402
 from harness import Envoy, Upstream, connection, request  # noqa: E402
