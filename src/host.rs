@@ -6,6 +6,8 @@
 pub type Headers = Vec<(String, Vec<u8>)>;
 
 pub trait Host {
+    /// The clock, in ms since the Unix epoch; read only when an event needs it (a host call).
+    fn now_ms(&self) -> u64;
     /// One request header of the current stream.
     fn request_header(&self, name: &str) -> Option<Vec<u8>>;
     /// Every request header of the current stream, in order.

@@ -12,6 +12,7 @@ pub mod encoding;
 pub mod fingerprint;
 pub mod fuzzing;
 pub mod host;
+pub mod ids;
 pub mod key;
 pub mod lifecycle;
 pub mod metrics;

@@ -199,7 +199,7 @@ impl<S: Store> Lifecycle<S> {
     }
 
     /// Router forwarding: the upstream's answer (or Envoy's stand-in for it) arrives.
-    pub fn on_response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool, now: u64) {
+    pub fn on_response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) {
         let Some(stream) = self.streams.get_mut(&id) else { return };
         let Phase::Owner { owner, capture: None } = stream.phase else { return };
         let policy = stream.policy;
@@ -207,6 +207,7 @@ impl<S: Store> Lifecycle<S> {
             stream.phase = Phase::Pass; // forwarded without a claim
             return;
         };
+        let now = host.now_ms();
         let headers = host.response_headers();
         let status = status_of(&headers);
         // Only an answer the upstream really gave completes the key; Envoy's own (connect
@@ -231,7 +232,7 @@ impl<S: Store> Lifecycle<S> {
         }
     }
 
-    pub fn on_response_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool, now: u64) {
+    pub fn on_response_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool) {
         let max = match self.streams.get(&id) {
             Some(s) => self.config.policy(s.policy).max_response_bytes,
             None => return,
@@ -249,12 +250,14 @@ impl<S: Store> Lifecycle<S> {
             }
         }
         if end_of_stream {
-            self.finish_capture(id, now);
+            self.finish_capture(id, host.now_ms());
         }
     }
 
-    pub fn on_response_trailers(&mut self, id: u32, now: u64) {
-        self.finish_capture(id, now);
+    pub fn on_response_trailers(&mut self, host: &dyn Host, id: u32) {
+        if self.streams.contains_key(&id) {
+            self.finish_capture(id, host.now_ms());
+        }
     }
 
     fn finish_capture(&mut self, id: u32, now: u64) {

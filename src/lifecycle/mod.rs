@@ -18,7 +18,9 @@ pub use effect::{CallId, Effect, Reply};
 pub use forward::is_hop_by_hop;
 pub use request::Outbound;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use crate::ids::IdMap;
 use std::rc::Rc;
 
 use crate::budget::{Budget, Reservation};
@@ -38,15 +40,15 @@ pub struct Lifecycle<S> {
     config: Rc<Config>,
     store: S,
     /// Covered streams still open, by context id; a stream missing here is gone or not ours.
-    streams: HashMap<u32, Stream>,
+    streams: IdMap<u32, Stream>,
     /// Detached calls in flight.
-    calls: HashMap<u64, Upstream>,
+    calls: IdMap<u64, Upstream>,
     /// Detached calls waiting for the root to send them.
     outbox: VecDeque<Outgoing>,
     /// Store calls waiting for the root (taken from the store during a stream's event).
     store_calls: VecDeque<(u64, CallRequest)>,
     /// Claims whose mark is renewed while their call lives, by owner id.
-    holdings: HashMap<u64, Holding>,
+    holdings: IdMap<u64, Holding>,
     effects: Vec<Effect>,
     /// Bytes buffered for requests in flight: router captures, held bodies.
     buffered: Budget,
@@ -69,7 +71,7 @@ struct Stream {
 enum Phase {
     /// Nothing left to do (passed through, answered by the upstream).
     Pass,
-    /// Covered: the body is coming; `since_ms` for the body-delivery check.
+    /// Covered: the body is coming; `since_ms` for the body-delivery check (0 once it is over).
     ReadingBody { pending: Box<Pending>, since_ms: u64 },
     /// Waiting for the store's first answer (etcd).
     Claiming(Box<Held>),
@@ -132,11 +134,11 @@ impl<S: Store> Lifecycle<S> {
         Lifecycle {
             config: Rc::new(config),
             store,
-            streams: HashMap::new(),
-            calls: HashMap::new(),
+            streams: IdMap::default(),
+            calls: IdMap::default(),
             outbox: VecDeque::new(),
             store_calls: VecDeque::new(),
-            holdings: HashMap::new(),
+            holdings: IdMap::default(),
             effects: Vec::new(),
             buffered,
             next_call: 1,
@@ -177,6 +179,16 @@ impl<S: Store> Lifecycle<S> {
         std::mem::take(&mut self.effects)
     }
 
+    /// Whether `id` is a covered stream still open: the others' callbacks need nothing.
+    pub fn tracks(&self, id: u32) -> bool {
+        self.streams.contains_key(&id)
+    }
+
+    /// Whether `id`'s response matters: a router owner's, which completes or releases its key.
+    pub fn watches_response(&self, id: u32) -> bool {
+        matches!(self.streams.get(&id), Some(Stream { phase: Phase::Owner { .. }, .. }))
+    }
+
     /// Nothing in flight and nothing to retry: a root that is being replaced may end.
     pub fn is_idle(&self) -> bool {
         self.calls.is_empty() && self.outbox.is_empty() && self.store_calls.is_empty() && self.store.is_idle()
@@ -186,7 +198,7 @@ impl<S: Store> Lifecycle<S> {
 
     /// Request headers: is the request covered, is its key valid; remember what the claim
     /// needs. The claim itself waits for the body (it is part of the fingerprint).
-    pub fn on_request_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool, now: u64) -> Flow {
+    pub fn on_request_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) -> Flow {
         let config = self.config.clone();
         let (policy, method) = request::policy_for(&config, host);
         let p = config.policy(policy);
@@ -203,13 +215,16 @@ impl<S: Store> Lifecycle<S> {
             }
             Covered::Unscoped => {
                 self.count(Counter::ScopeMissing);
-                self.log_missing_scope(now);
+                self.log_missing_scope(host.now_ms());
                 Flow::Continue
             }
             Covered::Yes(pending) => {
                 if pending.scope_shared {
                     self.count(Counter::ScopeMissing);
                 }
+                // The clock is a host call: read it here only when this event claims, or
+                // while the body-delivery check still needs the request's arrival.
+                let now = if end_of_stream || !self.body_seen { host.now_ms() } else { 0 };
                 self.streams.insert(id, Stream { policy, phase: Phase::ReadingBody { pending, since_ms: now } });
                 if end_of_stream {
                     self.claim(host, id, Vec::new(), now)
@@ -222,7 +237,7 @@ impl<S: Store> Lifecycle<S> {
         flow
     }
 
-    pub fn on_request_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool, now: u64) -> Flow {
+    pub fn on_request_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool) -> Flow {
         let Some(stream) = self.streams.get(&id) else { return Flow::Continue };
         if !matches!(stream.phase, Phase::ReadingBody { .. }) {
             return Flow::Continue;
@@ -236,20 +251,20 @@ impl<S: Store> Lifecycle<S> {
         } else if !end_of_stream {
             Flow::Pause // Envoy buffers the body until its end
         } else {
-            self.claim(host, id, host.request_body(size), now)
+            self.claim(host, id, host.request_body(size), host.now_ms())
         };
         self.after_stream_event();
         flow
     }
 
     /// Trailers end the request: the body, if any, is buffered.
-    pub fn on_request_trailers(&mut self, host: &dyn Host, id: u32, now: u64) -> Flow {
+    pub fn on_request_trailers(&mut self, host: &dyn Host, id: u32) -> Flow {
         let Some(stream) = self.streams.get(&id) else { return Flow::Continue };
         if !matches!(stream.phase, Phase::ReadingBody { .. }) {
             return Flow::Continue;
         }
         let max = self.config.policy(stream.policy).max_request_body_bytes;
-        let flow = self.claim(host, id, host.request_body(max), now);
+        let flow = self.claim(host, id, host.request_body(max), host.now_ms());
         self.after_stream_event();
         flow
     }

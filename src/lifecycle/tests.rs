@@ -20,11 +20,15 @@ struct FakeHost {
     code_details: Option<&'static str>,
     call_headers: Headers,
     call_body: Vec<u8>,
+    now: u64,
 }
 
 type Headers = Vec<(String, Vec<u8>)>;
 
 impl Host for FakeHost {
+    fn now_ms(&self) -> u64 {
+        self.now
+    }
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         self.request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
     }
@@ -84,9 +88,15 @@ fn lifecycle(config: &str) -> Lifecycle<Shared> {
 
 /// A whole request on stream `id`: headers, then the body.
 fn send<S: Store>(l: &mut Lifecycle<S>, id: u32, host: &FakeHost, now: u64) -> (Flow, Vec<Effect>) {
-    assert_eq!(l.on_request_headers(host, id, false, now), Flow::Pause);
-    let flow = l.on_request_body(host, id, host.body.len(), true, now);
+    let host = &at(host, now);
+    assert_eq!(l.on_request_headers(host, id, false), Flow::Pause);
+    let flow = l.on_request_body(host, id, host.body.len(), true);
     (flow, l.take_effects())
+}
+
+/// `host` at time `now`.
+fn at(host: &FakeHost, now: u64) -> FakeHost {
+    FakeHost { now, ..host.clone() }
 }
 
 fn dispatched(effects: &[Effect]) -> Vec<(CallId, CallRequest)> {
@@ -205,8 +215,8 @@ fn router_first_call_is_captured_as_it_passes_then_replayed() {
         code_details: Some("via_upstream"),
         ..FakeHost::default()
     };
-    l.on_response_headers(&answer, 1, false, 1);
-    l.on_response_body(&answer, 1, 4, true, 2);
+    l.on_response_headers(&at(&answer, 1), 1, false);
+    l.on_response_body(&at(&answer, 2), 1, 4, true);
     assert_eq!(count(&l.take_effects(), Counter::Completed), 1);
     let (_, effects) = send(&mut l, 2, &post("k", "{}"), 3);
     let sent = replies(&effects);
@@ -222,7 +232,7 @@ fn router_answers_envoy_made_up_release_the_key() {
         code_details: Some("upstream_reset_before_response_started{connection_failure}"),
         ..FakeHost::default()
     };
-    l.on_response_headers(&reset, 1, true, 1);
+    l.on_response_headers(&at(&reset, 1), 1, true);
     let effects = l.take_effects();
     assert_eq!((count(&effects, Counter::UpstreamFailed), count(&effects, Counter::Released)), (1, 1));
     let (flow, _) = send(&mut l, 2, &post("k", "{}"), 2);
@@ -310,13 +320,13 @@ fn wait_mode_gives_409_after_wait_max_ms_and_409_at_once_past_the_buffer_budget(
 fn a_request_claimed_from_its_trailers_is_not_taken_for_a_missing_body() {
     let mut l = lifecycle(r#"{"forward":"router"}"#);
     let host = post("k", "");
-    assert_eq!(l.on_request_headers(&host, 1, false, 0), Flow::Pause);
-    assert_eq!(l.on_request_trailers(&host, 1, 0), Flow::Continue);
+    assert_eq!(l.on_request_headers(&at(&host, 0), 1, false), Flow::Pause);
+    assert_eq!(l.on_request_trailers(&at(&host, 0), 1), Flow::Continue);
     l.take_effects();
     l.on_tick(4_000);
     assert!(replies(&l.take_effects()).is_empty(), "a 500 onto a stream already upstream");
     // The guard itself: a request whose body never comes gets the 500 naming the setting.
-    assert_eq!(l.on_request_headers(&post("k2", ""), 2, false, 5_000), Flow::Pause);
+    assert_eq!(l.on_request_headers(&at(&post("k2", ""), 5_000), 2, false), Flow::Pause);
     l.on_tick(8_001);
     let sent = replies(&l.take_effects());
     assert_eq!((sent[0].0, status_of(&sent[0].1)), (2, 500));
@@ -372,10 +382,10 @@ fn many_interleaved_duplicates_claim_once() {
     let mut l = lifecycle("{}");
     let host = post("k", "{}");
     for id in 1..=50 {
-        assert_eq!(l.on_request_headers(&host, id, false, 0), Flow::Pause);
+        assert_eq!(l.on_request_headers(&at(&host, 0), id, false), Flow::Pause);
     }
     for id in (1..=50).rev() {
-        l.on_request_body(&host, id, 2, true, 1);
+        l.on_request_body(&at(&host, 1), id, 2, true);
     }
     let effects = l.take_effects();
     assert_eq!((count(&effects, Counter::Claimed), count(&effects, Counter::Conflict)), (1, 49));
@@ -387,18 +397,18 @@ fn keys_scopes_and_sizes_are_checked_before_the_claim() {
     let mut l = lifecycle(r#"{"require_key":true,"max_request_body_bytes":4}"#);
     let mut no_key = post("k", "{}");
     no_key.request.retain(|(n, _)| n != "idempotency-key");
-    assert_eq!(l.on_request_headers(&no_key, 1, false, 0), Flow::Pause);
+    assert_eq!(l.on_request_headers(&at(&no_key, 0), 1, false), Flow::Pause);
     let mut bad = post("bad key", "{}");
-    assert_eq!(l.on_request_headers(&bad, 2, false, 0), Flow::Pause);
+    assert_eq!(l.on_request_headers(&at(&bad, 0), 2, false), Flow::Pause);
     bad.request.push(("idempotency-key".into(), b"again".to_vec()));
-    assert_eq!(l.on_request_headers(&bad, 3, false, 0), Flow::Pause);
-    l.on_request_headers(&post("k", "too long"), 4, false, 0);
-    l.on_request_body(&post("k", "too long"), 4, 8, true, 0);
+    assert_eq!(l.on_request_headers(&at(&bad, 0), 3, false), Flow::Pause);
+    l.on_request_headers(&at(&post("k", "too long"), 0), 4, false);
+    l.on_request_body(&at(&post("k", "too long"), 0), 4, 8, true);
     let statuses: Vec<u16> = replies(&l.take_effects()).iter().map(|(_, r)| status_of(r)).collect();
     assert_eq!(statuses, vec![400, 400, 400, 413]);
     let mut get = post("k", "");
     get.request[0].1 = b"GET".to_vec();
-    assert_eq!(l.on_request_headers(&get, 5, true, 0), Flow::Continue, "not covered");
+    assert_eq!(l.on_request_headers(&at(&get, 0), 5, true), Flow::Continue, "not covered");
 }
 
 #[test]
@@ -406,10 +416,10 @@ fn missing_scope_pass_reject_share() {
     let mut anonymous = post("k", "{}");
     anonymous.request.retain(|(n, _)| n != "authorization");
     let mut pass = lifecycle("{}");
-    assert_eq!(pass.on_request_headers(&anonymous, 1, false, 0), Flow::Continue);
+    assert_eq!(pass.on_request_headers(&at(&anonymous, 0), 1, false), Flow::Continue);
     assert_eq!(count(&pass.take_effects(), Counter::ScopeMissing), 1);
     let mut reject = lifecycle(r#"{"missing_scope":"reject"}"#);
-    reject.on_request_headers(&anonymous, 1, false, 0);
+    reject.on_request_headers(&at(&anonymous, 0), 1, false);
     assert_eq!(status_of(&replies(&reject.take_effects())[0].1), 401);
     let mut share = lifecycle(r#"{"missing_scope":"share"}"#);
     let (_, effects) = send(&mut share, 1, &anonymous, 0);

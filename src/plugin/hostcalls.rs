@@ -132,6 +132,10 @@ pub fn send_response<N: AsRef<[u8]>, V: AsRef<[u8]>>(status: u16, headers: &[(N,
 pub struct HostCalls;
 
 impl Host for HostCalls {
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
     }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::hostcalls::{self, HostCalls};
 use super::stream::Stream;
 use super::vm::Vm;
+use crate::host::Host;
 
 pub struct Root {
     id: u32,
@@ -38,7 +39,7 @@ impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         self.event(|vm| {
             if let Some(call) = vm.take_call(token) {
-                vm.event(None, |l, now| l.on_call_answer(&HostCalls, call, num_headers > 0, body_size, now));
+                vm.event(None, |l| l.on_call_answer(&HostCalls, call, num_headers > 0, body_size, HostCalls.now_ms()));
             }
         });
     }
@@ -73,12 +74,12 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        self.event(|vm| vm.event(None, |l, now| l.on_tick(now)));
+        self.event(|vm| vm.event(None, |l| l.on_tick(HostCalls.now_ms())));
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         hostcalls::drain_queue(queue_id);
-        self.event(|vm| vm.event(None, |l, now| l.on_wake(now)));
+        self.event(|vm| vm.event(None, |l| l.on_wake(HostCalls.now_ms())));
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

@@ -29,7 +29,9 @@ fn action(flow: Flow) -> Action {
 impl Context for Stream {
     fn on_done(&mut self) -> bool {
         let id = self.id;
-        self.vm.event(Some(id), |l, _| l.on_stream_done(id));
+        if self.vm.read(|l| l.tracks(id)) {
+            self.vm.event(Some(id), |l| l.on_stream_done(id));
+        }
         true
     }
 }
@@ -37,34 +39,40 @@ impl Context for Stream {
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let id = self.id;
-        action(self.vm.event(Some(id), |l, now| l.on_request_headers(&HostCalls, id, end_of_stream, now)))
+        action(self.vm.event(Some(id), |l| l.on_request_headers(&HostCalls, id, end_of_stream)))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let id = self.id;
-        action(self.vm.event(Some(id), |l, now| l.on_request_body(&HostCalls, id, body_size, end_of_stream, now)))
+        action(self.vm.event(Some(id), |l| l.on_request_body(&HostCalls, id, body_size, end_of_stream)))
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         let id = self.id;
-        action(self.vm.event(Some(id), |l, now| l.on_request_trailers(&HostCalls, id, now)))
+        action(self.vm.event(Some(id), |l| l.on_request_trailers(&HostCalls, id)))
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let id = self.id;
-        self.vm.event(Some(id), |l, now| l.on_response_headers(&HostCalls, id, end_of_stream, now));
+        if self.vm.read(|l| l.watches_response(id)) {
+            self.vm.event(Some(id), |l| l.on_response_headers(&HostCalls, id, end_of_stream));
+        }
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let id = self.id;
-        self.vm.event(Some(id), |l, now| l.on_response_body(&HostCalls, id, body_size, end_of_stream, now));
+        if self.vm.read(|l| l.watches_response(id)) {
+            self.vm.event(Some(id), |l| l.on_response_body(&HostCalls, id, body_size, end_of_stream));
+        }
         Action::Continue
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
         let id = self.id;
-        self.vm.event(Some(id), |l, now| l.on_response_trailers(id, now));
+        if self.vm.read(|l| l.watches_response(id)) {
+            self.vm.event(Some(id), |l| l.on_response_trailers(&HostCalls, id));
+        }
         Action::Continue
     }
 }

@@ -2,8 +2,8 @@
 //! token, the metric ids and the shared queue; and the one loop that carries out the
 //! lifecycle's effects.
 
+use crate::ids::IdMap;
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::time::Duration;
 
 use super::hostcalls;
@@ -15,7 +15,7 @@ pub type AnyLifecycle = Lifecycle<Box<dyn Store>>;
 
 pub struct Vm {
     lifecycle: RefCell<AnyLifecycle>,
-    calls: RefCell<HashMap<u32, CallId>>,
+    calls: RefCell<IdMap<u32, CallId>>,
     counters: Vec<(Counter, u32)>,
     gauges: Vec<(Gauge, u32)>,
     queue: Cell<Option<u32>>,
@@ -41,11 +41,10 @@ impl Vm {
     /// Runs one event on the lifecycle, then carries out what it asked for. `current`: the
     /// stream whose callback this is (`None`: the root's). The lifecycle is not borrowed while
     /// effects run: a local reply re-enters the plugin, whose nested event runs its own.
-    pub fn event<T>(&self, current: Option<u32>, f: impl FnOnce(&mut AnyLifecycle, u64) -> T) -> T {
-        let now = hostcalls::now_ms();
+    pub fn event<T>(&self, current: Option<u32>, f: impl FnOnce(&mut AnyLifecycle) -> T) -> T {
         let (out, effects) = {
             let mut lifecycle = self.lifecycle.borrow_mut();
-            let out = f(&mut lifecycle, now);
+            let out = f(&mut lifecycle);
             (out, lifecycle.take_effects())
         };
         for effect in effects {
@@ -110,7 +109,7 @@ impl Vm {
             }
             Err(status) => {
                 log::warn!("dispatch to cluster {:?} failed: {status:?}", request.cluster);
-                self.event(None, |lifecycle, now| lifecycle.on_call_failed(call, now));
+                self.event(None, |lifecycle| lifecycle.on_call_failed(call, hostcalls::now_ms()));
             }
         }
     }

@@ -3,7 +3,9 @@
 //! timer until it is acknowledged (SPEC §3.8). The timer also sweeps expired entries and
 //! reports evictions to the effective-retention window.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use crate::ids::IdMap;
 use std::rc::Rc;
 
 use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
@@ -22,7 +24,7 @@ enum Retry {
 
 pub struct SharedStore<S> {
     table: Table<S>,
-    tickets: HashMap<u64, Ticket>,
+    tickets: IdMap<u64, Ticket>,
     next_owner: u64,
     retries: Vec<Retry>,
     answers: VecDeque<(For, Answer)>,
@@ -40,7 +42,7 @@ impl<S: SharedKv> SharedStore<S> {
         let buckets = table.layout().buckets();
         SharedStore {
             table,
-            tickets: HashMap::new(),
+            tickets: IdMap::default(),
             next_owner: 1,
             retries: Vec::new(),
             answers: VecDeque::new(),

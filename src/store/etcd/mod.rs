@@ -21,7 +21,9 @@ mod model;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
+
+use crate::ids::IdMap;
 use std::rc::Rc;
 
 use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
@@ -112,12 +114,12 @@ pub struct EtcdStore {
     lease_pending: bool,
     keepalive_ms: u64,
     /// Retention leases by `retention_s`: (lease, usable until).
-    retention: HashMap<u64, (i64, u64)>,
+    retention: IdMap<u64, (i64, u64)>,
     retention_pending: HashSet<u64>,
-    owners: HashMap<u64, EtcdOwner>,
+    owners: IdMap<u64, EtcdOwner>,
     next_owner: u64,
     rounds: VecDeque<Round>,
-    inflight: HashMap<u64, Op>,
+    inflight: IdMap<u64, Op>,
     outbox: VecDeque<(u64, CallRequest)>,
     answers: VecDeque<(For, Answer)>,
     counts: VecDeque<Counter>,
@@ -146,12 +148,12 @@ impl EtcdStore {
             lease: None,
             lease_pending: false,
             keepalive_ms: 0,
-            retention: HashMap::new(),
+            retention: IdMap::default(),
             retention_pending: HashSet::new(),
-            owners: HashMap::new(),
+            owners: IdMap::default(),
             next_owner: 1,
             rounds: VecDeque::new(),
-            inflight: HashMap::new(),
+            inflight: IdMap::default(),
             outbox: VecDeque::new(),
             answers: VecDeque::new(),
             counts: VecDeque::new(),

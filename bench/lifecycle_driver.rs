@@ -1,0 +1,141 @@
+//! A native driver for callgrind over the whole request lifecycle (what the plugin runs per
+//! request, without the host calls themselves): the paths of `bench/abi_count.py`, each
+//! request in an #[inline(never)] `op_*` function, so `--toggle-collect='*op_*'` counts only
+//! them. Instruction counts are deterministic; the host's share is counted by abi_count.py.
+//!
+//! Not built by default; to run it, as bench/callgrind_driver.rs:
+//!
+//!   cp bench/lifecycle_driver.rs examples/
+//!   CARGO_PROFILE_RELEASE_DEBUG=true CARGO_PROFILE_RELEASE_STRIP=none \
+//!     cargo build --release --example lifecycle_driver --features sha2/force-soft
+//!   valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*op_*' \
+//!     --callgrind-out-file=/tmp/first.out target/release/examples/lifecycle_driver first 5000
+//!   callgrind_annotate --inclusive=yes /tmp/first.out | head -60
+//!
+//! Usage: lifecycle_driver <first|replay|conflict> [N]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use std::hint::black_box;
+
+use idempotency::config::Config;
+use idempotency::host::{Headers, Host};
+use idempotency::lifecycle::{Effect, Lifecycle};
+use idempotency::store::shared::SharedStore;
+use idempotency::table::memory::MemoryKv;
+use idempotency::table::{Layout, Table};
+
+type Core = Lifecycle<SharedStore<&'static MemoryKv>>;
+
+/// The request `make bench` sends, and the upstream's answer to the root's call.
+struct Request {
+    headers: Headers,
+    now: u64,
+}
+
+const BODY: &[u8] = br#"{"amount":10}"#;
+
+impl Host for Request {
+    fn now_ms(&self) -> u64 {
+        self.now
+    }
+    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+    fn request_headers(&self) -> Headers {
+        self.headers.clone()
+    }
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        BODY.iter().take(size).copied().collect()
+    }
+    fn response_headers(&self) -> Headers {
+        vec![(":status".into(), b"201".to_vec())]
+    }
+    fn response_body(&self, _size: usize) -> Vec<u8> {
+        Vec::new()
+    }
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        (path == ["xds", "cluster_name"]).then(|| b"upstream".to_vec())
+    }
+    fn call_headers(&self) -> Headers {
+        vec![(":status".into(), b"201".to_vec()), ("content-type".into(), b"application/json".to_vec())]
+    }
+    fn call_body(&self, size: usize) -> Vec<u8> {
+        br#"{"charged":10}"#.iter().take(size).copied().collect()
+    }
+}
+
+fn request(key: &str, now: u64) -> Request {
+    let pairs = [
+        (":method", "POST"),
+        (":path", "/payments"),
+        (":authority", "bench"),
+        (":scheme", "http"),
+        ("authorization", "Bearer bench"),
+        ("user-agent", "wrk"),
+        ("x-request-id", "5f0c6a4e-0d7b-4c9e-9a53-2f8d1e6b7c10"),
+        ("content-type", "application/json"),
+        ("content-length", "13"),
+        ("idempotency-key", key),
+    ];
+    Request { headers: pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect(), now }
+}
+
+fn core() -> Core {
+    let config = Config::parse(br#"{"namespace":"abi"}"#).unwrap();
+    let kv: &'static MemoryKv = Box::leak(Box::new(MemoryKv::new()));
+    let table = Table::new(kv, Layout::new(&config.namespace, config.capacity, config.max_store_bytes));
+    table.create().unwrap();
+    let tick = Core::tick_ms_for(&config);
+    Lifecycle::new(config, SharedStore::new(table, tick, 0))
+}
+
+/// One request, to its end; the root's call (detached forwarding) answered at once.
+#[inline(never)]
+fn op_request(core: &mut Core, id: u32, host: &Request) -> usize {
+    core.on_request_headers(host, id, false);
+    core.on_request_body(host, id, BODY.len(), true);
+    let mut effects = core.take_effects();
+    if effects.iter().any(|e| matches!(e, Effect::WakeRoot)) {
+        core.on_wake(host.now);
+        effects.extend(core.take_effects());
+    }
+    for effect in &effects {
+        if let Effect::Dispatch { call, .. } = effect {
+            core.on_call_answer(host, *call, true, 14, host.now);
+        }
+    }
+    effects.extend(core.take_effects());
+    if core.watches_response(id) {
+        core.on_response_headers(host, id, false);
+        core.on_response_body(host, id, 0, true);
+    }
+    core.on_stream_done(id);
+    effects.extend(core.take_effects());
+    effects.len()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let mode = args.get(1).map(String::as_str).unwrap_or("first");
+    let n: u32 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5_000);
+    let mut core = core();
+    let now = 1_700_000_000_000;
+    let fixed = request("fixed", now);
+    match mode {
+        "first" => {}
+        "replay" => {
+            op_request(&mut core, 1, &fixed);
+        }
+        "conflict" => {
+            // Claimed, its call never answered: in progress for the whole run.
+            core.on_request_headers(&fixed, 1, false);
+            core.on_request_body(&fixed, 1, BODY.len(), true);
+            core.take_effects();
+        }
+        other => panic!("unknown mode {other}"),
+    }
+    for i in 0..n {
+        let host = if mode == "first" { request(&format!("k-{i}"), now + u64::from(i)) } else { request("fixed", now) };
+        black_box(op_request(&mut core, 2 + i, &host));
+    }
+}
