@@ -288,7 +288,7 @@ def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacit
     if etcd_port:
         listeners.append(listener("etcd", ports["etcd"], [to_cluster("upstream")],
                                   [plugin(e_conf, "etcd", wasm)]))
-        clusters.append(static_cluster("etcd", etcd_port))
+        clusters.append(static_cluster("etcd", etcd_port, http2=True))  # gRPC: the default API
     else:
         del ports["etcd"]
     env = EnvoyProc("front", bootstrap(listeners, clusters), concurrency=2, cpus=cpus)

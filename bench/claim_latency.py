@@ -15,8 +15,8 @@ import uuid
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from e2e_util import post  # noqa: E402
-from etcd_util import Etcd  # noqa: E402
-from harness import Envoy, Upstream, static_cluster  # noqa: E402
+from etcd_util import Etcd, cluster as etcd_cluster  # noqa: E402
+from harness import Envoy, Upstream  # noqa: E402
 
 
 def median_ms(envoy, calls):
@@ -38,7 +38,7 @@ def main():
         etcd = Etcd()
         shared = Envoy({"lease_ms": 3000}, up.port)
         fleet = Envoy({"lease_ms": 3000, "store": {"kind": "etcd", "cluster": "etcd"}}, up.port,
-                      extra_clusters=[static_cluster("etcd", etcd.port)])
+                      extra_clusters=[etcd_cluster(etcd.port)])
         try:
             median_ms(shared, args.calls), median_ms(fleet, args.calls)  # warm up
             s, f = median_ms(shared, args.calls), median_ms(fleet, args.calls)

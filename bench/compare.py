@@ -2,7 +2,7 @@
 """Two builds of the plugin side by side in one Envoy: before and after a change.
 
     .venv/bin/python bench/compare.py OLD.wasm NEW.wasm [--mode detached|router]
-        [--store shared_data|etcd] [--rounds 8]
+        [--store shared_data|etcd] [--apis json,grpc] [--rounds 8]
 
 One Envoy 1.40.0 (--concurrency 2) gets one listener per build, each with its own vm_id and
 namespace, in front of the same upstream (an Envoy answering by itself). wrk drives each path
@@ -11,7 +11,8 @@ are medians of Envoy's CPU time per request (from /proc) and of req/s, and the m
 min–max) of the new/old ratio of CPU per request within each round. Paths: the first call (a
 new key per POST), the replay (one completed key) and a request the plugin does not cover (a
 GET). With --store etcd both listeners use one local etcd (tests/etcd_util.py), each under its
-own namespace, and the table also gives etcd requests per client request. Measured in one run,
+own namespace, and the table also gives etcd requests per client request; --apis gives each
+listener's etcd API (`store.api`; the same build twice compares the APIs). Measured in one run,
 the two builds share the machine's noise.
 """
 
@@ -39,6 +40,7 @@ def main():
     ap.add_argument("new")
     ap.add_argument("--mode", default="detached", choices=["detached", "router"])
     ap.add_argument("--store", default="shared_data", choices=["shared_data", "etcd"])
+    ap.add_argument("--apis", default="grpc,grpc", help="etcd API of old,new (json|grpc)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--duration", type=int, default=3, help="seconds per wrk run")
     ap.add_argument("--connections", type=int, default=32)
@@ -51,15 +53,19 @@ def main():
         clusters = [static_cluster("upstream", up.port)]
         if args.store == "etcd":
             sys.path.insert(0, os.path.join(os.path.dirname(BENCH_DIR), "tests"))
-            from etcd_util import Etcd
+            from etcd_util import Etcd, cluster as etcd_cluster
             etcd = Etcd()
-            clusters.append(static_cluster("etcd", etcd.port))
+            clusters.append(etcd_cluster(etcd.port))
+            clusters.append(etcd_cluster(etcd.port, name="etcd_json", api="json"))
+        apis = dict(zip(("old", "new"), args.apis.split(",")))
         ports = {name: free_port() for name, _ in builds}
         listeners = []
         for name, wasm in builds:
             config = {"namespace": f"compare_{name}", "forward": args.mode}
             if etcd:
-                config.update(store={"kind": "etcd", "cluster": "etcd"}, lease_ms=3000)
+                api = apis[name]
+                cluster = "etcd" if api == "grpc" else "etcd_json"
+                config.update(store={"kind": "etcd", "cluster": cluster, "api": api}, lease_ms=3000)
             else:
                 config.update(capacity=262144, lease_ms=2000)
             listeners.append(listener(name, ports[name], [to_cluster("upstream")],
@@ -75,20 +81,21 @@ def main():
                     key = f"compare-replay-{rnd}"
                     if case["id"] == "replay":
                         stored_replay(ports[name], key, name)
-                    c0, e0 = front.cpu_s(), etcd_requests(front)
+                    c0, e0, k0 = front.cpu_s(), etcd_requests(front), etcd_cpu_s(etcd)
                     r = run_wrk(ports[name], case, args, args.duration if rnd else 1,
                                 prefix=f"{rnd}-{name}-{case['id']}", key=key, cpus="1")
                     if r["status_errors"] or r["requests"] == 0:
                         sys.exit(f"{path} on {name}: {r['status_errors']} errors")
                     if rnd:
                         cpu = (front.cpu_s() - c0) / r["requests"] * 1e6
+                        etcd_cpu = (etcd_cpu_s(etcd) - k0) / r["requests"] * 1e6
                         per = (etcd_requests(front) - e0) / r["requests"]
-                        runs[(path, name)].append((cpu, r["rps"], per))
+                        runs[(path, name)].append((cpu, r["rps"], per, etcd_cpu))
         print(f"forward: {args.mode}, store: {args.store}; medians of {args.rounds} rounds of "
               f"{args.duration} s")
-        extra = " etcd requests per request, old | new |" if etcd else ""
+        extra = " etcd requests per request, old | new | etcd CPU µs/req, old | new |" if etcd else ""
         print(f"| path | Envoy CPU µs/req, old | new | new/old, per round | req/s, old | new |{extra}")
-        print("|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if etcd else ""))
+        print("|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if etcd else ""))
         for path, _ in PATHS:
             o, n = runs[(path, "old")], runs[(path, "new")]
             # Each round runs both builds back to back: the ratio within a round cancels the
@@ -99,6 +106,7 @@ def main():
                    f"| {spread} | {median([x[1] for x in o]):,.0f} | {median([x[1] for x in n]):,.0f} |")
             if etcd:
                 row += f" {median([x[2] for x in o]):.2f} | {median([x[2] for x in n]):.2f} |"
+                row += f" {median([x[3] for x in o]):.0f} | {median([x[3] for x in n]):.0f} |"
             print(row)
     finally:
         if front:
@@ -120,9 +128,18 @@ def stored_replay(port, key, name):
     raise AssertionError((name, first, again))
 
 
+def etcd_cpu_s(etcd):
+    """CPU time etcd has used so far (0 without it)."""
+    if not etcd:
+        return 0.0
+    with open(f"/proc/{etcd.proc.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def etcd_requests(front):
-    """Requests Envoy has sent to the etcd cluster so far (0 without one)."""
-    return front.cluster_requests("etcd")
+    """Requests Envoy has sent to etcd so far (0 without it), over either API."""
+    return front.cluster_requests("etcd") + front.cluster_requests("etcd_json")
 
 
 if __name__ == "__main__":

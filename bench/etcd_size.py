@@ -33,7 +33,7 @@ def main():
     with Upstream() as up:
         etcd = Etcd()
         envoy = Envoy({"store": {"kind": "etcd", "cluster": "etcd"}}, up.port,
-                      extra_clusters=[static_cluster("etcd", etcd.port)])
+                      extra_clusters=[static_cluster("etcd", etcd.port, http2=True)])
         try:
             extra = {"x-body-bytes": str(args.body_bytes)}
             warm = uuid.uuid4().hex

@@ -62,6 +62,12 @@ impl Host for Request {
     fn call_body(&self, size: usize) -> Vec<u8> {
         br#"{"charged":10}"#.iter().take(size).copied().collect()
     }
+    fn grpc_message(&self, _size: usize) -> Vec<u8> {
+        Vec::new()
+    }
+    fn grpc_status_text(&self) -> Vec<u8> {
+        Vec::new()
+    }
 }
 
 fn request(key: &str, now: u64) -> Request {

@@ -65,13 +65,32 @@ pub enum OnUnavailable {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EtcdConfig {
-    /// The Envoy cluster that reaches etcd's HTTP/1.1 JSON gateway.
-    pub cluster: String,
-    /// The `:authority` of requests to etcd.
-    pub authority: String,
+    /// The Envoy clusters that reach etcd, one per etcd cluster: each key lives on exactly
+    /// one of them, chosen by its hash (rendezvous hashing over the names).
+    pub clusters: Vec<String>,
+    /// The `:authority` of the JSON gateway's requests (`api: "json"`); the cluster's name
+    /// when `None`.
+    pub authority: Option<String>,
+    /// gRPC (the default: the cluster speaks HTTP/2) or the JSON gateway (HTTP/1.1).
+    pub api: Api,
     pub timeout_ms: u64,
     pub on_unavailable: OnUnavailable,
 }
+
+/// Which of etcd's two client APIs the store speaks; both are served on etcd's client port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EtcdApi {
+    /// gRPC (`dispatch_grpc_call`, protobuf): the cluster needs HTTP/2.
+    #[default]
+    Grpc,
+    /// The JSON gateway (`dispatch_http_call`, base64 in JSON) over HTTP/1.1.
+    Json,
+}
+
+use EtcdApi as Api;
+
+/// The most etcd clusters one configuration spreads its keys over.
+pub const MAX_ETCD_CLUSTERS: usize = 16;
 
 /// A JWT claim verified by Envoy's `jwt_authn` filter, read from its dynamic metadata
 /// (`payload_in_metadata`), to scope keys by the caller's verified identity.
@@ -485,16 +504,25 @@ fn jwt_claim(f: &str, v: &Value) -> Result<Option<JwtClaim>, ConfigError> {
 }
 
 fn etcd(f: &str, map: &serde_json::Map<String, Value>) -> Result<StoreConfig, ConfigError> {
-    let mut cluster = None;
+    let mut clusters: Vec<String> = Vec::new();
     let mut authority = None;
+    let mut api = Api::Grpc;
     let mut timeout_ms = 1_000;
     let mut on_unavailable = OnUnavailable::Reject;
     for (name, v) in map {
         let field = format!("{f}.{name}");
         match name.as_str() {
             "kind" => {}
-            "cluster" => cluster = Some(string(&field, v)?.to_string()).filter(|c| !c.is_empty()),
+            "cluster" => clusters.extend(Some(string(&field, v)?.to_string()).filter(|c| !c.is_empty())),
+            "clusters" => clusters.extend(cluster_names(&field, v)?),
             "authority" => authority = Some(string(&field, v)?.to_string()),
+            "api" => {
+                api = match string(&field, v)? {
+                    "grpc" => Api::Grpc,
+                    "json" => Api::Json,
+                    other => return Err(err(&field, format!("expected \"grpc\" or \"json\", got {other:?}"))),
+                }
+            }
             "timeout_ms" => timeout_ms = int(&field, v, 1, 60_000)?,
             "on_unavailable" => {
                 on_unavailable = match string(&field, v)? {
@@ -506,10 +534,34 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>) -> Result<StoreConfig, Co
             _ => return Err(err(&field, "unknown field for store kind \"etcd\"")),
         }
     }
-    let cluster =
-        cluster.ok_or_else(|| err(&format!("{f}.cluster"), "missing: the Envoy cluster that reaches etcd"))?;
-    let authority = authority.unwrap_or_else(|| cluster.clone());
-    Ok(StoreConfig::Etcd(EtcdConfig { cluster, authority, timeout_ms, on_unavailable }))
+    if clusters.is_empty() {
+        return Err(err(&format!("{f}.cluster"), "missing: the Envoy cluster that reaches etcd (or clusters: [...])"));
+    }
+    if map.contains_key("cluster") && map.contains_key("clusters") {
+        return Err(err(&format!("{f}.clusters"), "give cluster or clusters, not both"));
+    }
+    if authority.is_some() && (api == Api::Grpc || clusters.len() > 1) {
+        let why = "only with api \"json\" and one cluster (gRPC calls carry the cluster's name)";
+        return Err(err(&format!("{f}.authority"), why));
+    }
+    Ok(StoreConfig::Etcd(EtcdConfig { clusters, authority, api, timeout_ms, on_unavailable }))
+}
+
+/// `clusters`: 1 to `MAX_ETCD_CLUSTERS` distinct, non-empty names.
+fn cluster_names(f: &str, v: &Value) -> Result<Vec<String>, ConfigError> {
+    let names = v.as_array().ok_or_else(|| err(f, format!("expected an array of cluster names, got {v}")))?;
+    if names.is_empty() || names.len() > MAX_ETCD_CLUSTERS {
+        return Err(err(f, format!("expected 1 to {MAX_ETCD_CLUSTERS} cluster names, got {}", names.len())));
+    }
+    let mut out: Vec<String> = Vec::new();
+    for name in names {
+        let name = string(f, name)?;
+        if name.is_empty() || out.iter().any(|n| n == name) {
+            return Err(err(f, format!("cluster names must be non-empty and distinct: {name:?}")));
+        }
+        out.push(name.to_string());
+    }
+    Ok(out)
 }
 
 fn boolean(f: &str, v: &Value) -> Result<bool, ConfigError> {
@@ -690,6 +742,12 @@ mod tests {
             (r#"{"store":{"kind":"etcd"}}"#, "store.cluster"),
             (r#"{"store":{"kind":"etcd","cluster":"etcd","on_unavailable":"maybe"}}"#, "store.on_unavailable"),
             (r#"{"store":{"kind":"etcd","cluster":"etcd","timeout_ms":0}}"#, "store.timeout_ms"),
+            (r#"{"store":{"kind":"etcd","cluster":"etcd","api":"rest"}}"#, "store.api"),
+            (r#"{"store":{"kind":"etcd","clusters":[]}}"#, "store.clusters"),
+            (r#"{"store":{"kind":"etcd","clusters":["a","a"]}}"#, "store.clusters"),
+            (r#"{"store":{"kind":"etcd","clusters":["a",""]}}"#, "store.clusters"),
+            (r#"{"store":{"kind":"etcd","cluster":"a","clusters":["b"]}}"#, "store.clusters"),
+            (r#"{"store":{"kind":"etcd","cluster":"a","authority":"x"}}"#, "store.authority"),
             (r#"{"lease_ms":2000,"store":{"kind":"etcd","cluster":"etcd"}}"#, "lease_ms"),
             (
                 r#"{"store":{"kind":"etcd","cluster":"etcd"},"routes":[{"match":{"prefix":"/"},"lease_ms":1000}]}"#,
@@ -764,12 +822,19 @@ mod tests {
         assert_eq!(
             c.store,
             StoreConfig::Etcd(EtcdConfig {
-                cluster: "etcd_cluster".into(),
-                authority: "etcd_cluster".into(),
+                clusters: vec!["etcd_cluster".into()],
+                authority: None,
+                api: Api::Grpc,
                 timeout_ms: 1000,
                 on_unavailable: OnUnavailable::Pass
             })
         );
+        let c = parse(r#"{"store":{"kind":"etcd","clusters":["a","b"],"api":"json"}}"#).unwrap();
+        let StoreConfig::Etcd(e) = c.store else { panic!("etcd") };
+        assert_eq!((e.clusters, e.api), (vec!["a".to_string(), "b".to_string()], Api::Json));
+        let json = parse(r#"{"store":{"kind":"etcd","cluster":"e","api":"json","authority":"etcd.local"}}"#).unwrap();
+        let StoreConfig::Etcd(e) = json.store else { panic!("etcd") };
+        assert_eq!(e.authority.as_deref(), Some("etcd.local"));
     }
 
     #[test]

@@ -78,13 +78,21 @@ pub fn entry(data: &[u8]) {
     let _ = crate::retention::EvictionWindow::decode(data);
 }
 
-/// An answer from etcd's gateway, and an etcd value (an entry of ours or a foreign one).
+/// An answer from etcd (the JSON gateway's or a gRPC message), and an etcd value (an entry
+/// of ours or a foreign one).
 pub fn etcd(data: &[u8]) {
-    use crate::store::etcd::protocol::{parse_grant, parse_keepalive, parse_txn};
+    use crate::store::etcd::protocol::Api;
+    use crate::store::etcd::{grpc, json};
     for status in [200, 404, 503] {
-        let _ = parse_txn(status, data);
-        let _ = parse_grant(status, data);
-        let _ = parse_keepalive(status, data);
+        let _ = json::parse_txn(status, data);
+        let _ = json::parse_grant(status, data);
+        let _ = json::parse_range(status, data);
+    }
+    for code in [0, 5, 14] {
+        let answer = crate::store::CallAnswer { body: data.to_vec(), ..grpc::status_answer(code, "") };
+        let _ = Api::Grpc.parse_txn(&answer);
+        let _ = Api::Grpc.parse_grant(&answer);
+        let _ = Api::Grpc.parse_range(&answer);
     }
     if let Ok((entry, response)) = crate::encoding::decode_entry(data) {
         assert_eq!(crate::encoding::encode_entry(&entry, response.as_ref()), data);

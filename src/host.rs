@@ -22,6 +22,10 @@ pub trait Host {
     /// The headers of the HTTP call whose answer is being delivered.
     fn call_headers(&self) -> Headers;
     fn call_body(&self, size: usize) -> Vec<u8>;
+    /// The response message of the gRPC call whose answer is being delivered.
+    fn grpc_message(&self, size: usize) -> Vec<u8>;
+    /// Its `grpc-message` (the status's text), when it failed.
+    fn grpc_status_text(&self) -> Vec<u8>;
 }
 
 /// What a stream callback tells Envoy.

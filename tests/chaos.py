@@ -62,7 +62,7 @@ if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 
 import harness  # noqa: E402
-from harness import CALLER, Envoy, Upstream, abandon, request, static_cluster, wait_until  # noqa: E402
+from harness import CALLER, Envoy, Upstream, abandon, request, wait_until  # noqa: E402
 
 HOST = "chaos.example"
 PATH = "/payments"
@@ -380,9 +380,9 @@ class Storm:
         self.upstream = ChaosUpstream()
         kwargs = {}
         if self.store == "etcd":
-            from etcd_util import Etcd
+            from etcd_util import Etcd, cluster as etcd_cluster
             self.etcd = Etcd()
-            kwargs["extra_clusters"] = [static_cluster("etcd", self.etcd.port)]
+            kwargs["extra_clusters"] = [etcd_cluster(self.etcd.port)]
             self.watcher = EtcdWatcher(self.etcd.port)
             self.watcher.start()
             self.watcher.ready.wait(2)

@@ -7,7 +7,13 @@ import subprocess
 import tempfile
 import urllib.request
 
-from harness import free_port, wait_until
+from harness import free_port, static_cluster, wait_until
+
+
+def cluster(port, name="etcd", api="grpc"):
+    """The Envoy cluster for an etcd client port: HTTP/2 for the plugin's default gRPC API,
+    HTTP/1.1 for the JSON gateway (`store.api: "json"`)."""
+    return static_cluster(name, port, http2=(api == "grpc"))
 
 
 def etcd_binary():

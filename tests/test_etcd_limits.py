@@ -10,8 +10,8 @@ import pytest
 
 from e2e_util import assert_in_progress, assert_replay_of, describe, is_replay, plugin_counters, \
     post, problem
-from etcd_util import Etcd
-from harness import static_cluster, wait_until
+from etcd_util import Etcd, cluster as etcd_cluster
+from harness import wait_until
 
 QUOTA = 2 << 20
 
@@ -22,7 +22,7 @@ def b64(data):
 
 def fleet_envoy(make_envoy, upstream, etcd, **store):
     config = {"store": {"kind": "etcd", "cluster": "etcd", **store}}
-    return make_envoy(config, upstream.port, extra_clusters=[static_cluster("etcd", etcd.port)])
+    return make_envoy(config, upstream.port, extra_clusters=[etcd_cluster(etcd.port)])
 
 
 def fill(etcd):

@@ -28,7 +28,8 @@ from chaos import (ChaosUpstream, active_vms, etcd_key, log_tags, plugin_counter
                    vm_failure_lines, vm_failure_stats)
 import e2e_util
 from e2e_util import key_headers, raw_exchange_bytes
-from harness import CALLER, raw_request_bytes, request, static_cluster
+from etcd_util import cluster as etcd_cluster
+from harness import CALLER, raw_request_bytes, request
 
 HOST = "hostile.example"
 BODY = b'{"amount":1}'
@@ -486,7 +487,7 @@ def test_foreign_values_planted_in_etcd_get_503(upstream, make_envoy, wasm, etcd
     """Garbage at the etcd key the plugin uses (`/<namespace>/<hex of the store key>`): the
     request gets 503 store-unavailable problem+json (SPEC §3.6), nothing runs, Envoy lives."""
     config = {"forward": "detached", "store": {"kind": "etcd", "cluster": "etcd"}}
-    envoy = make_envoy(config, upstream.port, extra_clusters=[static_cluster("etcd", etcd.port)])
+    envoy = make_envoy(config, upstream.port, extra_clusters=[etcd_cluster(etcd.port)])
     health = Health(envoy, upstream)
 
     # A real completed entry, to derive near-valid values from.
@@ -527,7 +528,7 @@ def test_entry_of_another_key_planted_in_etcd(upstream, make_envoy, wasm, etcd):
     plugin refuses it with the 503 problem and leaves the value alone. B never gets A's
     answer (SPEC §3.1)."""
     config = {"forward": "detached", "store": {"kind": "etcd", "cluster": "etcd"}}
-    envoy = make_envoy(config, upstream.port, extra_clusters=[static_cluster("etcd", etcd.port)])
+    envoy = make_envoy(config, upstream.port, extra_clusters=[etcd_cluster(etcd.port)])
     health = Health(envoy, upstream)
     a, b = new_key("owner-a"), new_key("victim-b")
     first = post(envoy, a)

@@ -9,7 +9,7 @@ use crate::encoding::{StoredResponse, STORED_OVERHEAD};
 use crate::host::{Headers, Host};
 use crate::metrics::Counter;
 use crate::problem::Problem;
-use crate::store::{CallAnswer, CallRequest, Owner, Store};
+use crate::store::{CallAnswer, CallKind, CallRequest, Owner, Store};
 
 /// A router-mode answer as it streams past, kept for the stored response. `kept` is `None`
 /// once it is over `max_response_bytes` or the worker's buffer budget: it passes on, unstored.
@@ -101,7 +101,7 @@ impl<S: Store> Lifecycle<S> {
         self.calls.insert(n, Upstream { stream, policy, owner });
         let request = CallRequest {
             cluster: request.cluster,
-            headers: request.headers,
+            kind: CallKind::Http { headers: request.headers },
             body: request.body,
             timeout_ms: p.upstream_timeout_ms,
         };

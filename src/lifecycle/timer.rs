@@ -40,6 +40,17 @@ impl<S: Store> Lifecycle<S> {
         self.flush(now);
     }
 
+    /// A gRPC call's answer (a store's: etcd), in the root's event.
+    pub fn on_grpc_call_answer(&mut self, host: &dyn Host, call: CallId, status: u32, size: usize, now: u64) {
+        let text = if status == 0 { Vec::new() } else { host.grpc_status_text() };
+        let answer = CallAnswer::grpc(status, &text, host.grpc_message(size));
+        match call {
+            CallId::Store(n) => self.store.on_call_answer(n, &answer, now),
+            CallId::Upstream(n) => self.on_upstream_answer(n, answer, now), // not sent as gRPC
+        }
+        self.flush(now);
+    }
+
     /// A call could not be sent at all (`dispatch_http_call` failed).
     pub fn on_call_failed(&mut self, call: CallId, now: u64) {
         match call {

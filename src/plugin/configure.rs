@@ -8,7 +8,7 @@ use super::hostcalls::{self, SharedData};
 use super::vm::{AnyLifecycle, Vm};
 use crate::config::{Config, Forward, StoreConfig};
 use crate::lifecycle::Lifecycle;
-use crate::store::etcd::EtcdStore;
+use crate::store::etcd::{EtcdStore, Link};
 use crate::store::shared::SharedStore;
 use crate::store::Store;
 use crate::table::{Layout, Table};
@@ -57,8 +57,16 @@ fn lifecycle(config: Config) -> Result<AnyLifecycle, String> {
         }
         StoreConfig::Etcd(cfg) => {
             let max_lease = config.policies().map(|p| p.lease_ms).max().unwrap_or(10_000);
-            let retentions = config.policies().map(|p| p.retention_s).collect();
-            Box::new(EtcdStore::new(cfg.clone(), &config.namespace, max_lease, retentions, random()))
+            let retentions: Vec<u64> = config.policies().map(|p| p.retention_s).collect();
+            let link = |cluster: &String| Link {
+                cluster: cluster.clone(),
+                authority: cfg.authority.clone().unwrap_or_else(|| cluster.clone()),
+                api: cfg.api,
+                timeout_ms: cfg.timeout_ms,
+            };
+            let store =
+                |cluster| EtcdStore::new(link(cluster), &config.namespace, max_lease, retentions.clone(), random());
+            Box::new(store(cfg.clusters.first().ok_or("store.clusters: none")?))
         }
     };
     Ok(Lifecycle::new(config, store))

@@ -35,6 +35,8 @@ extern "C" {
         headers_size: usize,
         grpc_status: i32,
     ) -> u32;
+    #[link_name = "proxy_get_status"]
+    fn raw_get_status(code: *mut u32, message: *mut *mut u8, message_size: *mut usize) -> u32;
 }
 
 const OK: u32 = 0;
@@ -167,6 +169,25 @@ impl Host for HostCalls {
     fn call_body(&self, size: usize) -> Vec<u8> {
         hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
     }
+
+    fn grpc_message(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn grpc_status_text(&self) -> Vec<u8> {
+        // The SDK's get_grpc_status panics on a text that is not UTF-8.
+        let mut code: u32 = 0;
+        let mut data: *mut u8 = null_mut();
+        let mut size: usize = 0;
+        // SAFETY: as in `SharedData::get`: the host hands over a buffer it allocated with our
+        // allocator; we take ownership of it once.
+        let status = unsafe { raw_get_status(&mut code, &mut data, &mut size) };
+        if status != OK || data.is_null() || size == 0 {
+            return Vec::new();
+        }
+        // SAFETY: see above.
+        unsafe { Vec::from_raw_parts(data, size, size) }
+    }
 }
 
 pub fn plugin_configuration() -> Vec<u8> {
@@ -190,6 +211,18 @@ pub fn set_effective_context(context_id: u32) -> bool {
 /// Sends a request from the current context (the root's: see `plugin::root`).
 pub fn dispatch(cluster: &str, headers: Vec<(&str, &str)>, body: &[u8], timeout: Duration) -> Result<u32, Status> {
     hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
+}
+
+/// Sends a unary gRPC call from the current context; its answer comes to
+/// `on_grpc_call_response` with a token of its own (not an HTTP call's).
+pub fn dispatch_grpc(
+    cluster: &str,
+    service: &str,
+    method: &str,
+    message: &[u8],
+    timeout: Duration,
+) -> Result<u32, Status> {
+    hostcalls::dispatch_grpc_call(cluster, service, method, vec![], Some(message), timeout)
 }
 
 pub fn register_queue(name: &str) -> Option<u32> {

@@ -44,6 +44,14 @@ impl Context for Root {
         });
     }
 
+    fn on_grpc_call_response(&mut self, token: u32, status: u32, size: usize) {
+        self.event(|vm| {
+            if let Some(call) = vm.take_grpc_call(token) {
+                vm.event(None, |l| l.on_grpc_call_answer(&HostCalls, call, status, size, HostCalls.now_ms()));
+            }
+        });
+    }
+
     /// Calls in flight and unacknowledged writes would be lost with this root: it finishes
     /// them first (SPEC §3.8).
     fn on_done(&mut self) -> bool {

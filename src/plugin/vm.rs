@@ -9,13 +9,15 @@ use std::time::Duration;
 use super::hostcalls;
 use crate::lifecycle::{is_hop_by_hop, CallId, Effect, Lifecycle, Reply};
 use crate::metrics::{Counter, Gauge};
-use crate::store::{CallRequest, Store};
+use crate::store::{CallKind, CallRequest, Store};
 
 pub type AnyLifecycle = Lifecycle<Box<dyn Store>>;
 
 pub struct Vm {
     lifecycle: RefCell<AnyLifecycle>,
+    /// Calls in flight by token: HTTP calls' and gRPC calls' tokens are counted apart.
     calls: RefCell<IdMap<u32, CallId>>,
+    grpc_calls: RefCell<IdMap<u32, CallId>>,
     counters: Vec<(Counter, u32)>,
     gauges: Vec<(Gauge, u32)>,
     queue: Cell<Option<u32>>,
@@ -28,6 +30,7 @@ impl Vm {
         Vm {
             lifecycle: RefCell::new(lifecycle),
             calls: RefCell::default(),
+            grpc_calls: RefCell::default(),
             counters: counters.collect(),
             gauges: gauges.collect(),
             queue: Cell::new(None),
@@ -57,9 +60,14 @@ impl Vm {
         f(&self.lifecycle.borrow())
     }
 
-    /// The call a dispatch token stands for.
+    /// The call an HTTP call's token stands for.
     pub fn take_call(&self, token: u32) -> Option<CallId> {
         self.calls.borrow_mut().remove(&token)
+    }
+
+    /// The call a gRPC call's token stands for.
+    pub fn take_grpc_call(&self, token: u32) -> Option<CallId> {
+        self.grpc_calls.borrow_mut().remove(&token)
     }
 
     fn carry_out(&self, current: Option<u32>, effect: Effect) {
@@ -101,11 +109,20 @@ impl Vm {
     /// Sends a call from the root context: the SDK files the answer under the root, which
     /// outlives the client's stream (SPEC §4).
     fn dispatch(&self, call: CallId, request: CallRequest) {
-        let headers: Vec<(&str, &str)> = request.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         let timeout = Duration::from_millis(request.timeout_ms);
-        match hostcalls::dispatch(&request.cluster, headers, &request.body, timeout) {
-            Ok(token) => {
-                self.calls.borrow_mut().insert(token, call);
+        let sent = match &request.kind {
+            CallKind::Http { headers } => {
+                let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+                hostcalls::dispatch(&request.cluster, headers, &request.body, timeout).map(|t| (&self.calls, t))
+            }
+            CallKind::Grpc { service, method } => {
+                hostcalls::dispatch_grpc(&request.cluster, service, method, &request.body, timeout)
+                    .map(|t| (&self.grpc_calls, t))
+            }
+        };
+        match sent {
+            Ok((calls, token)) => {
+                calls.borrow_mut().insert(token, call);
             }
             Err(status) => {
                 log::warn!("dispatch to cluster {:?} failed: {status:?}", request.cluster);

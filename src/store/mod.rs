@@ -101,21 +101,50 @@ pub struct Claim {
     pub lease_ms: u64,
 }
 
-/// An HTTP call a store needs sent from the root context.
+/// A call sent from the root context: a detached request, or a store's request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallRequest {
     pub cluster: String,
-    pub headers: Vec<(String, String)>,
+    pub kind: CallKind,
     pub body: Vec<u8>,
     pub timeout_ms: u64,
 }
 
-/// What came back for a call: no headers at all (`status` 0) when the connection broke.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallKind {
+    /// `dispatch_http_call`: the request's headers (`:method`, `:path`, `:authority`, …).
+    Http { headers: Vec<(String, String)> },
+    /// `dispatch_grpc_call`: a unary gRPC call; the body is the request message.
+    Grpc { service: &'static str, method: &'static str },
+}
+
+impl CallRequest {
+    /// An HTTP request's header, if it is one.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        match &self.kind {
+            CallKind::Http { headers } => headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str()),
+            CallKind::Grpc { .. } => None,
+        }
+    }
+}
+
+/// What came back for a call: no headers at all (`status` 0) when the connection broke. A
+/// gRPC call's status and message are its `grpc-status` and `grpc-message` headers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CallAnswer {
     pub status: u16,
     pub headers: Vec<(String, Vec<u8>)>,
     pub body: Vec<u8>,
+}
+
+impl CallAnswer {
+    /// A gRPC call's answer: its status and text as the `grpc-status` and `grpc-message`
+    /// that HTTP/2 carries them in, the response message as the body.
+    pub fn grpc(status: u32, text: &[u8], message: Vec<u8>) -> CallAnswer {
+        let headers =
+            vec![("grpc-status".into(), status.to_string().into_bytes()), ("grpc-message".into(), text.to_vec())];
+        CallAnswer { status: 200, headers, body: message }
+    }
 }
 
 /// What a store did on a timer tick, for the gauges and counters.

@@ -2,7 +2,7 @@
 
 use std::rc::Rc;
 
-use super::protocol::{self, ErrorKind, EtcdError, Kv, TxnResult};
+use super::protocol::{ErrorKind, EtcdError, Kv, Request, TxnResult};
 use super::{Backoff, EtcdOwner, EtcdStore, Op, Round, MAX_ROUNDS};
 use crate::encoding::{decode_entry, encode_entry, Corrupt, Entry, State};
 use crate::store::{Answer, Began, Owner};
@@ -22,12 +22,12 @@ impl EtcdStore {
         // The token (`gen`) makes the mark's value unique: a delete-if-value only ever removes
         // our own mark.
         let value = encode_entry(&entry, None);
-        let body = match round.takeover {
-            Some(mod_revision) => protocol::replace_txn(&round.key, mod_revision, &value, lease),
-            None => protocol::claim_txn(&round.key, &value, lease),
+        let request = match round.takeover {
+            Some(mod_revision) => Request::replace(&round.key, mod_revision, value.clone(), lease),
+            None => Request::claim(&round.key, value.clone(), lease),
         };
         let who = round.who;
-        if !self.send(protocol::TXN_PATH, body, Op::Claim { round, value, entry }, now) {
+        if !self.send(request, Op::Claim { round, value, entry }, now) {
             self.answer(who, Began::Unavailable);
         }
     }
@@ -66,9 +66,9 @@ impl EtcdStore {
                 // etcd refuses writes, reads still work: a stored answer replays, an in-progress
                 // mark still conflicts; a new key cannot be claimed (on_unavailable).
                 self.note_no_space(&err, now);
-                let body = protocol::range_body(&round.key);
+                let request = Request::Range { key: round.key.clone() };
                 let who = round.who;
-                if !self.send(protocol::RANGE_PATH, body, Op::Read { round }, now) {
+                if !self.send(request, Op::Read { round }, now) {
                     self.answer(who, Began::Unavailable);
                 }
             }
@@ -114,12 +114,15 @@ impl EtcdStore {
         }
         log::info!("etcd: a claim was answered late; renewing it before going upstream");
         let fresh = Entry { deadline_ms: now.saturating_add(round.lease_ms), ..entry };
-        let body = match self.lease {
-            Some(lease) => protocol::replace_txn(&round.key, revision, &encode_entry(&fresh, None), lease),
-            None => Vec::new(),
-        };
+        let request = self
+            .usable_lease(now)
+            .map(|lease| Request::replace(&round.key, revision, encode_entry(&fresh, None), lease));
         let who = round.who;
-        if body.is_empty() || !self.send(protocol::TXN_PATH, body, Op::Verify { round, id, value, entry: fresh }, now) {
+        let sent = match request {
+            Some(request) => self.send(request, Op::Verify { round, id, value, entry: fresh }, now),
+            None => false,
+        };
+        if !sent {
             self.owners.remove(&id);
             self.answer(who, Began::Unavailable);
         }
@@ -195,8 +198,8 @@ impl EtcdStore {
     }
 
     /// A read after a claim refused for lack of space.
-    pub(super) fn on_read(&mut self, round: Round, status: u16, body: &[u8], now: u64) {
-        match protocol::parse_range(status, body) {
+    pub(super) fn on_read(&mut self, round: Round, answer: &crate::store::CallAnswer, now: u64) {
+        match self.link.api.parse_range(answer) {
             Ok(Some(kv)) => self.judge_existing(round, kv, now, false),
             Ok(None) | Err(_) => self.answer(round.who, Began::Unavailable),
         }

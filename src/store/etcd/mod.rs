@@ -13,6 +13,8 @@
 //! by a delete-if-value, retried likewise.
 
 mod claims;
+pub mod grpc;
+pub mod json;
 mod owners;
 pub mod protocol;
 
@@ -27,11 +29,10 @@ use crate::ids::IdMap;
 use std::rc::Rc;
 
 use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
-use crate::config::EtcdConfig;
 use crate::encoding::{Entry, KeyTag, StoredResponse};
 use crate::fingerprint::Fingerprint;
 use crate::metrics::Counter;
-use protocol::{Backoff, ErrorKind, EtcdError};
+use protocol::{Api, Backoff, ErrorKind, EtcdError, Request, Target};
 
 /// Rounds of claim/takeover for one request before it is answered 503.
 const MAX_ROUNDS: u8 = 6;
@@ -99,20 +100,41 @@ enum Op {
         key: Vec<u8>,
         value: Vec<u8>,
     },
-    GrantReplica,
+    /// A lease for this VM's marks, asked for at `sent_ms`.
+    GrantReplica {
+        sent_ms: u64,
+    },
     GrantRetention(u64),
-    KeepAlive,
+}
+
+/// How the store reaches one etcd cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    pub cluster: String,
+    pub authority: String,
+    pub api: Api,
+    pub timeout_ms: u64,
+}
+
+/// The lease this VM's marks ride. It is never kept alive: a new one is granted every
+/// `lease_ttl/4`, and one is used only while it outlives any mark written with it by
+/// `max_lease_ms` (SPEC §3.8: a mark's own deadline decides; the lease only collects it).
+#[derive(Debug, Clone, Copy)]
+struct VmLease {
+    id: i64,
+    rotate_at_ms: u64,
+    usable_until_ms: u64,
 }
 
 pub struct EtcdStore {
-    cfg: EtcdConfig,
+    link: Link,
     namespace: String,
     /// Every policy's `retention_s`: a retention lease is kept ready for each.
     retentions: Vec<u64>,
+    max_lease_ms: u64,
     lease_ttl_s: u64,
-    lease: Option<i64>,
+    lease: Option<VmLease>,
     lease_pending: bool,
-    keepalive_ms: u64,
     /// Retention leases by `retention_s`: (lease, usable until).
     retention: IdMap<u64, (i64, u64)>,
     retention_pending: HashSet<u64>,
@@ -128,7 +150,7 @@ pub struct EtcdStore {
     /// then one request at a time probes (SPEC §3.8: a store that fails is never hammered).
     health: Backoff,
     probe: Option<u64>,
-    /// Lease grants, keepalives and cleanups that etcd refused: retried after this.
+    /// Lease grants and cleanups that etcd refused: retried after this.
     background: Backoff,
     no_space_logged_ms: u64,
     next_call: u64,
@@ -137,17 +159,17 @@ pub struct EtcdStore {
 }
 
 impl EtcdStore {
-    /// `max_lease_ms`: the longest `lease_ms` of the policies (the VM lease's TTL);
-    /// `retentions`: every policy's `retention_s`; `seed`: any random number.
-    pub fn new(cfg: EtcdConfig, namespace: &str, max_lease_ms: u64, retentions: Vec<u64>, seed: u64) -> EtcdStore {
+    /// `max_lease_ms`: the longest `lease_ms` of the policies; `retentions`: every policy's
+    /// `retention_s`; `seed`: any random number.
+    pub fn new(link: Link, namespace: &str, max_lease_ms: u64, retentions: Vec<u64>, seed: u64) -> EtcdStore {
         EtcdStore {
-            cfg,
+            link,
             namespace: namespace.to_string(),
             retentions,
-            lease_ttl_s: max_lease_ms.div_ceil(1000).max(3),
+            max_lease_ms,
+            lease_ttl_s: (2 * max_lease_ms).div_ceil(1000).max(6),
             lease: None,
             lease_pending: false,
-            keepalive_ms: 0,
             retention: IdMap::default(),
             retention_pending: HashSet::new(),
             owners: IdMap::default(),
@@ -176,8 +198,13 @@ impl EtcdStore {
         z ^ (z >> 31)
     }
 
+    /// The VM lease, while a mark written with it now would outlive its deadline.
+    fn usable_lease(&self, now: u64) -> Option<i64> {
+        self.lease.filter(|l| now < l.usable_until_ms).map(|l| l.id)
+    }
+
     /// Queues one request to etcd; `false` while etcd is unreachable and this may not probe.
-    fn send(&mut self, path: &str, body: Vec<u8>, op: Op, now: u64) -> bool {
+    fn send(&mut self, request: Request, op: Op, now: u64) -> bool {
         if self.health.failing() && (self.probe.is_some() || !self.health.ready(now)) {
             return false;
         }
@@ -186,12 +213,9 @@ impl EtcdStore {
         if self.health.failing() {
             self.probe = Some(call);
         }
-        let headers = [(":method", "POST"), (":path", path), (":authority", self.cfg.authority.as_str())]
-            .into_iter()
-            .chain(std::iter::once(("content-type", "application/json")))
-            .map(|(n, v)| (n.to_string(), v.to_string()))
-            .collect();
-        let request = CallRequest { cluster: self.cfg.cluster.clone(), headers, body, timeout_ms: self.cfg.timeout_ms };
+        let to =
+            Target { cluster: &self.link.cluster, authority: &self.link.authority, timeout_ms: self.link.timeout_ms };
+        let request = self.link.api.call(&request, &to);
         self.outbox.push_back((call, request));
         self.inflight.insert(call, op);
         true
@@ -204,11 +228,11 @@ impl EtcdStore {
         if background {
             self.keep_leases(now);
         }
-        if self.lease.is_none() && !self.lease_pending {
+        if self.usable_lease(now).is_none() && !self.lease_pending {
             // No lease and none coming: the queued claims cannot be sent.
             self.fail_rounds();
         }
-        while let Some(lease) = self.lease {
+        while let Some(lease) = self.usable_lease(now) {
             let Some(round) = self.rounds.pop_front() else { break };
             self.send_claim(round, lease, now);
         }
@@ -223,9 +247,9 @@ impl EtcdStore {
         }
         if background {
             for (key, value) in std::mem::take(&mut self.cleanups) {
-                let body = protocol::delete_if_value_txn(&key, &value);
+                let request = Request::delete_if_value(&key, value.clone());
                 let op = Op::Cleanup { key: key.clone(), value: value.clone() };
-                if !self.send(protocol::TXN_PATH, body, op, now) {
+                if !self.send(request, op, now) {
                     self.cleanups.push((key, value));
                 }
             }
@@ -235,25 +259,33 @@ impl EtcdStore {
     /// The VM's lease, and a retention lease for every policy's retention, so that
     /// completions do not wait for a grant.
     fn keep_leases(&mut self, now: u64) {
-        for retention_s in self.retentions.clone() {
+        for i in 0..self.retentions.len() {
+            let Some(&retention_s) = self.retentions.get(i) else { break };
             let fresh =
                 self.retention.get(&retention_s).is_some_and(|(_, until)| now + slack_s(retention_s) * 500 < *until);
             if !fresh && self.retention_pending.insert(retention_s) {
                 self.grant_retention(retention_s, now);
             }
         }
-        if self.lease.is_none() && !self.lease_pending {
-            self.lease_pending = true;
-            let body = protocol::grant_body(self.lease_ttl_s);
-            if !self.send(protocol::GRANT_PATH, body, Op::GrantReplica, now) {
-                self.lease_pending = false;
-            }
+        if self.lease.is_none_or(|l| now >= l.rotate_at_ms) {
+            self.grant_vm_lease(now);
+        }
+    }
+
+    fn grant_vm_lease(&mut self, now: u64) {
+        if self.lease_pending {
+            return;
+        }
+        self.lease_pending = true;
+        let request = Request::Grant { ttl_s: self.lease_ttl_s };
+        if !self.send(request, Op::GrantReplica { sent_ms: now }, now) {
+            self.lease_pending = false;
         }
     }
 
     fn grant_retention(&mut self, retention_s: u64, now: u64) {
-        let body = protocol::grant_body(retention_s + slack_s(retention_s));
-        if !self.send(protocol::GRANT_PATH, body, Op::GrantRetention(retention_s), now) {
+        let request = Request::Grant { ttl_s: retention_s + slack_s(retention_s) };
+        if !self.send(request, Op::GrantRetention(retention_s), now) {
             self.retention_pending.remove(&retention_s);
         }
     }
@@ -361,13 +393,10 @@ impl Store for EtcdStore {
     }
 
     fn tick(&mut self, now_ms: u64) -> TickReport {
-        // A keepalive is also the probe that finds etcd back once the backoff has passed,
+        // A lease grant is also the probe that finds etcd back once the backoff has passed,
         // without waiting for client traffic.
-        let probe_due = self.health.failing() && self.health.ready(now_ms) && self.probe.is_none();
-        let keepalive_due = now_ms.saturating_sub(self.keepalive_ms) >= self.lease_ttl_s * 1000 / 3;
-        if let (Some(lease), true, true) = (self.lease, self.background.ready(now_ms), probe_due || keepalive_due) {
-            self.keepalive_ms = now_ms;
-            self.send(protocol::KEEPALIVE_PATH, protocol::keepalive_body(lease), Op::KeepAlive, now_ms);
+        if self.health.failing() && self.health.ready(now_ms) && self.probe.is_none() {
+            self.grant_vm_lease(now_ms);
         }
         self.pump(now_ms);
         TickReport::default()
@@ -387,14 +416,14 @@ impl Store for EtcdStore {
 
     fn on_call_answer(&mut self, call: u64, answer: &CallAnswer, now_ms: u64) {
         let Some(op) = self.inflight.remove(&call) else { return };
-        self.note_health(call, protocol::is_unreachable(answer.status, &answer.body), now_ms);
-        self.on_answer(op, answer.status, &answer.body, now_ms);
+        self.note_health(call, self.link.api.is_unreachable(answer), now_ms);
+        self.on_answer(op, answer, now_ms);
         self.pump(now_ms);
     }
 
     fn on_call_failed(&mut self, call: u64, now_ms: u64) {
         // Nothing was sent: as if Envoy had answered that etcd cannot be reached.
-        let answer = CallAnswer { status: 503, headers: Vec::new(), body: b"dispatch failed".to_vec() };
+        let answer = self.link.api.not_sent();
         self.on_call_answer(call, &answer, now_ms);
     }
 

@@ -1,14 +1,13 @@
-//! An in-memory etcd for the store's tests: the JSON gateway's txn, range, lease grant and
-//! keepalive, with revisions, leases that expire with the fake clock, and a switch that
-//! refuses every write as etcd does when it is out of space (its NOSPACE alarm).
+//! An in-memory etcd for the store's tests, over the gRPC API (`KV/Txn`, `KV/Range`,
+//! `Lease/LeaseGrant`, protobuf as etcd speaks it): revisions, leases that expire with the
+//! fake clock, and a switch that refuses every write as etcd does when it is out of space
+//! (its NOSPACE alarm).
 
-use base64::engine::general_purpose::STANDARD as B64;
-use base64::Engine;
-use serde_json::{json, Value};
+use prost::Message;
 use std::collections::{BTreeMap, HashMap};
 
-use super::protocol::{GRANT_PATH, KEEPALIVE_PATH, RANGE_PATH, TXN_PATH};
-use crate::store::{CallAnswer, CallRequest};
+use super::grpc::pb;
+use crate::store::{CallAnswer, CallKind, CallRequest};
 
 #[derive(Clone)]
 struct Entry {
@@ -22,37 +21,26 @@ struct Entry {
 pub struct Model {
     kvs: BTreeMap<Vec<u8>, Entry>,
     revision: i64,
-    /// Lease id → (TTL s, expires at ms).
-    leases: HashMap<i64, (u64, u64)>,
+    /// Lease id → expires at ms.
+    leases: HashMap<i64, u64>,
     next_lease: i64,
     pub no_space: bool,
-    /// Requests handled, by path.
+    /// Requests handled, by method.
     pub requests: HashMap<String, usize>,
+    /// The TTL of every lease granted, in order.
+    pub granted_ttls: Vec<i64>,
 }
 
-fn b64(bytes: &[u8]) -> String {
-    B64.encode(bytes)
+fn ok(message: impl Message) -> CallAnswer {
+    CallAnswer::grpc(0, b"", message.encode_to_vec())
 }
 
-fn unb64(v: &Value) -> Vec<u8> {
-    v.as_str().and_then(|s| B64.decode(s).ok()).unwrap_or_default()
-}
-
-fn int(v: &Value) -> i64 {
-    v.as_str().and_then(|s| s.parse().ok()).or_else(|| v.as_i64()).unwrap_or(0)
-}
-
-fn answer(status: u16, body: Value) -> CallAnswer {
-    CallAnswer {
-        status,
-        headers: vec![(":status".into(), status.to_string().into_bytes())],
-        body: body.to_string().into_bytes(),
-    }
+fn error(code: u32, text: &str) -> CallAnswer {
+    CallAnswer::grpc(code, text.as_bytes(), Vec::new())
 }
 
 fn no_space() -> CallAnswer {
-    let m = "etcdserver: mvcc: database space exceeded";
-    answer(429, json!({"error": m, "message": m, "code": 8}))
+    error(8, "etcdserver: mvcc: database space exceeded")
 }
 
 impl Model {
@@ -63,33 +51,27 @@ impl Model {
     /// What etcd answers to `request` at `now`.
     pub fn handle(&mut self, request: &CallRequest, now: u64) -> CallAnswer {
         self.expire(now);
-        let path = request.headers.iter().find(|(n, _)| n == ":path").map(|(_, v)| v.clone()).unwrap_or_default();
-        *self.requests.entry(path.clone()).or_default() += 1;
-        let body: Value = serde_json::from_slice(&request.body).unwrap_or(Value::Null);
-        match path.as_str() {
-            TXN_PATH => self.txn(&body),
-            RANGE_PATH => {
-                let key = unb64(&body["key"]);
-                answer(200, json!({"header": self.header(), "kvs": self.kv_json(&key)}))
+        let CallKind::Grpc { method, .. } = &request.kind else { return error(12, "not a gRPC call") };
+        *self.requests.entry(method.to_string()).or_default() += 1;
+        let body = request.body.as_slice();
+        match *method {
+            "Txn" => match pb::TxnRequest::decode(body) {
+                Ok(txn) => self.txn(&txn),
+                Err(_) => error(13, "bad message"),
+            },
+            "Range" => {
+                let key = pb::RangeRequest::decode(body).map(|r| r.key).unwrap_or_default();
+                ok(pb::RangeResponse { header: self.header(), kvs: self.kv(&key) })
             }
-            GRANT_PATH if self.no_space => no_space(),
-            GRANT_PATH => {
-                let ttl = int(&body["TTL"]).max(1) as u64;
+            "LeaseGrant" if self.no_space => no_space(),
+            "LeaseGrant" => {
+                let ttl = pb::LeaseGrantRequest::decode(body).map(|r| r.ttl).unwrap_or(0).max(1);
                 self.next_lease += 1;
-                self.leases.insert(self.next_lease, (ttl, now + ttl * 1000));
-                answer(200, json!({"header": self.header(), "ID": self.next_lease.to_string(), "TTL": ttl.to_string()}))
+                self.granted_ttls.push(ttl);
+                self.leases.insert(self.next_lease, now + ttl as u64 * 1000);
+                ok(pb::LeaseGrantResponse { header: self.header(), id: self.next_lease, ttl, error: String::new() })
             }
-            KEEPALIVE_PATH => {
-                let id = int(&body["ID"]);
-                match self.leases.get_mut(&id) {
-                    Some((ttl, expires)) => {
-                        *expires = now + *ttl * 1000;
-                        answer(200, json!({"result": {"ID": id.to_string(), "TTL": ttl.to_string()}}))
-                    }
-                    None => answer(200, json!({"result": {"ID": id.to_string()}})),
-                }
-            }
-            _ => answer(404, json!({"error": "not found", "code": 12})),
+            _ => error(12, "unknown method"),
         }
     }
 
@@ -97,73 +79,85 @@ impl Model {
         self.kvs.keys().cloned().collect()
     }
 
+    /// When the lease a key rides ends (`None`: no lease, or no such key).
+    pub fn lease_end(&self, key: &[u8]) -> Option<u64> {
+        self.kvs.get(key).and_then(|e| self.leases.get(&e.lease)).copied()
+    }
+
     fn expire(&mut self, now: u64) {
-        let dead: Vec<i64> = self.leases.iter().filter(|(_, (_, at))| *at <= now).map(|(id, _)| *id).collect();
+        let dead: Vec<i64> = self.leases.iter().filter(|(_, at)| **at <= now).map(|(id, _)| *id).collect();
         for id in dead {
             self.leases.remove(&id);
             self.kvs.retain(|_, e| e.lease != id);
         }
     }
 
-    fn header(&self) -> Value {
-        json!({"revision": self.revision.to_string()})
+    fn header(&self) -> Option<pb::ResponseHeader> {
+        Some(pb::ResponseHeader { revision: self.revision })
     }
 
-    fn kv_json(&self, key: &[u8]) -> Value {
-        match self.kvs.get(key) {
-            Some(e) => json!([{"key": b64(key), "value": b64(&e.value),
-                "mod_revision": e.mod_revision.to_string(), "create_revision": e.create_revision.to_string()}]),
-            None => json!([]),
-        }
+    fn kv(&self, key: &[u8]) -> Vec<pb::KeyValue> {
+        self.kvs
+            .get(key)
+            .map(|e| pb::KeyValue {
+                key: key.to_vec(),
+                create_revision: e.create_revision,
+                mod_revision: e.mod_revision,
+                value: e.value.clone(),
+                lease: e.lease,
+            })
+            .into_iter()
+            .collect()
     }
 
-    fn compare(&self, c: &Value) -> bool {
-        let key = unb64(&c["key"]);
-        let e = self.kvs.get(&key);
-        match c["target"].as_str() {
-            Some("CREATE") => e.map_or(0, |e| e.create_revision) == int(&c["create_revision"]),
-            Some("MOD") => e.map_or(0, |e| e.mod_revision) == int(&c["mod_revision"]),
-            Some("VALUE") => e.map(|e| e.value.clone()) == Some(unb64(&c["value"])),
+    fn compare(&self, c: &pb::Compare) -> bool {
+        let e = self.kvs.get(&c.key);
+        match (c.target, &c.against) {
+            (pb::TARGET_CREATE, Some(pb::Against::CreateRevision(r))) => e.map_or(0, |e| e.create_revision) == *r,
+            (pb::TARGET_MOD, Some(pb::Against::ModRevision(r))) => e.map_or(0, |e| e.mod_revision) == *r,
+            (pb::TARGET_VALUE, Some(pb::Against::Value(v))) => e.is_some_and(|e| &e.value == v),
             _ => false,
         }
     }
 
-    fn txn(&mut self, body: &Value) -> CallAnswer {
-        let ok = body["compare"].as_array().is_some_and(|cs| cs.iter().all(|c| self.compare(c)));
-        let ops = body[if ok { "success" } else { "failure" }].as_array().cloned().unwrap_or_default();
+    fn txn(&mut self, txn: &pb::TxnRequest) -> CallAnswer {
+        let succeeded = txn.compare.iter().all(|c| self.compare(c));
         // As etcd's quota: a txn costs what its larger branch writes, whichever runs.
-        let puts =
-            |branch: &str| body[branch].as_array().is_some_and(|b| b.iter().any(|op| op.get("request_put").is_some()));
-        if self.no_space && (puts("success") || puts("failure")) {
+        let puts = |ops: &[pb::RequestOp]| ops.iter().any(|op| matches!(op.request, Some(pb::Op::Put(_))));
+        if self.no_space && (puts(&txn.success) || puts(&txn.failure)) {
             return no_space();
         }
         let mut responses = Vec::new();
-        for op in &ops {
-            if let Some(put) = op.get("request_put") {
-                let lease = int(&put["lease"]);
-                if lease != 0 && !self.leases.contains_key(&lease) {
-                    return answer(404, json!({"error": "etcdserver: requested lease not found", "code": 5}));
-                }
-                let key = unb64(&put["key"]);
-                self.revision += 1;
-                let create_revision = self.kvs.get(&key).map_or(self.revision, |e| e.create_revision);
-                let entry = Entry { value: unb64(&put["value"]), mod_revision: self.revision, create_revision, lease };
-                self.kvs.insert(key, entry);
-                responses.push(json!({"response_put": {"header": self.header()}}));
-            } else if let Some(range) = op.get("request_range") {
-                let key = unb64(&range["key"]);
-                responses.push(json!({"response_range": {"header": self.header(), "kvs": self.kv_json(&key)}}));
-            } else if let Some(del) = op.get("request_delete_range") {
-                if self.kvs.remove(&unb64(&del["key"])).is_some() {
+        for op in if succeeded { &txn.success } else { &txn.failure } {
+            match &op.request {
+                Some(pb::Op::Put(put)) => {
+                    if put.lease != 0 && !self.leases.contains_key(&put.lease) {
+                        return error(5, "etcdserver: requested lease not found");
+                    }
                     self.revision += 1;
+                    let create_revision = self.kvs.get(&put.key).map_or(self.revision, |e| e.create_revision);
+                    let entry = Entry {
+                        value: put.value.clone(),
+                        mod_revision: self.revision,
+                        create_revision,
+                        lease: put.lease,
+                    };
+                    self.kvs.insert(put.key.clone(), entry);
+                    responses.push(pb::ResponseOp { response: None });
                 }
-                responses.push(json!({"response_delete_range": {"header": self.header()}}));
+                Some(pb::Op::Range(range)) => {
+                    let read = pb::RangeResponse { header: self.header(), kvs: self.kv(&range.key) };
+                    responses.push(pb::ResponseOp { response: Some(pb::Reply::Range(read)) });
+                }
+                Some(pb::Op::DeleteRange(del)) => {
+                    if self.kvs.remove(&del.key).is_some() {
+                        self.revision += 1;
+                    }
+                    responses.push(pb::ResponseOp { response: None });
+                }
+                None => {}
             }
         }
-        let mut out = json!({"header": self.header(), "responses": responses});
-        if ok {
-            out["succeeded"] = json!(true);
-        }
-        answer(200, out)
+        ok(pb::TxnResponse { header: self.header(), succeeded, responses })
     }
 }

@@ -1,36 +1,35 @@
 //! An owner's writes on etcd (renewal, completion, release), the leases, and the dispatch of
 //! every answer to what it was for.
 
-use super::protocol::{self, ErrorKind, EtcdError, Kv, TxnResult};
-use super::{slack_s, Ending, EtcdStore, Op};
+use super::protocol::{ErrorKind, EtcdError, Kv, Request, TxnResult};
+use super::{slack_s, Ending, EtcdStore, Op, VmLease};
 use crate::encoding::{decode_entry, encode_entry, Entry, State};
-use crate::store::{Answer, Completed, For};
+use crate::store::{Answer, CallAnswer, Completed, For};
 use crate::table::{Change, StoreError};
 
 impl EtcdStore {
     /// Routes an answer to the operation it belongs to.
-    pub(super) fn on_answer(&mut self, op: Op, status: u16, body: &[u8], now: u64) {
+    pub(super) fn on_answer(&mut self, op: Op, answer: &CallAnswer, now: u64) {
+        let api = self.link.api;
         match op {
-            Op::Claim { round, value, entry } => {
-                self.on_claim(round, value, entry, protocol::parse_txn(status, body), now)
-            }
-            Op::Read { round } => self.on_read(round, status, body, now),
+            Op::Claim { round, value, entry } => self.on_claim(round, value, entry, api.parse_txn(answer), now),
+            Op::Read { round } => self.on_read(round, answer, now),
             Op::Verify { round, id, value, entry } => {
-                self.on_verify(round, id, value, entry, protocol::parse_txn(status, body), now)
+                self.on_verify(round, id, value, entry, api.parse_txn(answer), now)
             }
-            Op::Renew { id, entry } => self.on_renew(id, entry, protocol::parse_txn(status, body), now),
-            Op::End { id } => self.on_end(id, protocol::parse_txn(status, body), now),
+            Op::Renew { id, entry } => self.on_renew(id, entry, api.parse_txn(answer), now),
+            Op::End { id } => self.on_end(id, api.parse_txn(answer), now),
             Op::Cleanup { key, value } => {
-                if protocol::parse_txn(status, body).is_err() {
+                if api.parse_txn(answer).is_err() {
                     self.cleanups.push((key, value));
                     let jitter = self.draw();
                     self.background.fail(now, jitter);
                 }
             }
-            Op::GrantReplica => self.on_grant(protocol::parse_grant(status, body), now),
+            Op::GrantReplica { sent_ms } => self.on_grant(api.parse_grant(answer), sent_ms, now),
             Op::GrantRetention(retention_s) => {
                 self.retention_pending.remove(&retention_s);
-                match protocol::parse_grant(status, body) {
+                match api.parse_grant(answer) {
                     Ok(lease) => {
                         self.retention.insert(retention_s, (lease, now + slack_s(retention_s) * 1000));
                     }
@@ -40,21 +39,18 @@ impl EtcdStore {
                     }
                 }
             }
-            Op::KeepAlive => {
-                if let Ok(false) = protocol::parse_keepalive(status, body) {
-                    log::warn!("etcd: the VM's lease expired; granting a new one");
-                    self.lease = None;
-                }
-            }
         }
     }
 
-    fn on_grant(&mut self, granted: Result<i64, EtcdError>, now: u64) {
+    /// A VM lease granted: its TTL runs from no earlier than `sent_ms`.
+    fn on_grant(&mut self, granted: Result<i64, EtcdError>, sent_ms: u64, now: u64) {
         self.lease_pending = false;
         match granted {
-            Ok(lease) => {
-                self.lease = Some(lease);
-                self.keepalive_ms = now;
+            Ok(id) => {
+                let ttl_ms = self.lease_ttl_s * 1000;
+                let rotate_at_ms = sent_ms + ttl_ms / 4;
+                let usable_until_ms = (sent_ms + ttl_ms).saturating_sub(self.max_lease_ms + 1_000);
+                self.lease = Some(VmLease { id, rotate_at_ms, usable_until_ms });
             }
             Err(err) => {
                 log::warn!("etcd: lease grant failed: {err:?}");
@@ -67,15 +63,15 @@ impl EtcdStore {
 
     /// Extends an owner's mark, unless a write of it is in flight or its call ended.
     pub(super) fn send_renew(&mut self, id: u64, lease_ms: u64, now: u64) {
-        let Some(lease) = self.lease else { return };
+        let Some(lease) = self.usable_lease(now) else { return };
         let Some(o) = self.owners.get_mut(&id) else { return };
         if o.busy || o.ending.is_some() {
             return;
         }
         let entry = Entry { deadline_ms: now.saturating_add(lease_ms), ..o.entry };
-        let body = protocol::replace_txn(&o.key, o.mod_revision, &encode_entry(&entry, None), lease);
+        let request = Request::replace(&o.key, o.mod_revision, encode_entry(&entry, None), lease);
         o.busy = true;
-        if !self.send(protocol::TXN_PATH, body, Op::Renew { id, entry }, now) {
+        if !self.send(request, Op::Renew { id, entry }, now) {
             if let Some(o) = self.owners.get_mut(&id) {
                 o.busy = false;
             }
@@ -123,8 +119,8 @@ impl EtcdStore {
     /// Sends an owner's completion or release.
     pub(super) fn send_end(&mut self, id: u64, now: u64) {
         let Some(o) = self.owners.get(&id) else { return };
-        let body = match &o.ending {
-            Some(Ending::Release) => protocol::delete_txn(&o.key, o.mod_revision),
+        let request = match &o.ending {
+            Some(Ending::Release) => Request::delete(&o.key, o.mod_revision),
             Some(Ending::Complete { response, retention_ms }) => {
                 let retention_s = retention_ms / 1000;
                 let usable = self.retention.get(&retention_s).filter(|(_, until)| now < *until).map(|(l, _)| *l);
@@ -139,14 +135,14 @@ impl EtcdStore {
                 let bytes = response.as_ref().map_or(0, |r| r.stored_len() as u32);
                 let entry =
                     Entry { state, deadline_ms: now.saturating_add(*retention_ms), since_ms: now, bytes, ..o.entry };
-                protocol::replace_txn(&o.key, o.mod_revision, &encode_entry(&entry, response.as_deref()), lease)
+                Request::replace(&o.key, o.mod_revision, encode_entry(&entry, response.as_deref()), lease)
             }
             None => return,
         };
         if let Some(o) = self.owners.get_mut(&id) {
             o.busy = true;
         }
-        if !self.send(protocol::TXN_PATH, body, Op::End { id }, now) {
+        if !self.send(request, Op::End { id }, now) {
             if let Some(o) = self.owners.get_mut(&id) {
                 o.busy = false;
             }

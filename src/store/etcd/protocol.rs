@@ -1,107 +1,152 @@
-//! The etcd v3 JSON gateway, sans I/O: the bodies the plugin sends and the parsers of what
-//! etcd answers (SPEC §4: `POST /v3/kv/txn`, keys and values base64, 64-bit numbers as
-//! strings, false and empty fields omitted). The store ([`super::EtcdStore`]) builds and
-//! reads them; the host adapter sends them with `dispatch_http_call`.
+//! What the etcd store asks of etcd and what it learns back, whatever the wire: the requests
+//! (one key's transaction, a read, a lease grant), the results, the errors the store acts on,
+//! and the backoff. [`super::json`] (the JSON gateway) and [`super::grpc`] (etcd's gRPC API)
+//! put them on the wire; the host adapter sends them from the root context.
 
-use base64::engine::general_purpose::STANDARD as B64;
-use base64::Engine;
-use serde_json::{json, Value};
-
-pub const TXN_PATH: &str = "/v3/kv/txn";
-pub const RANGE_PATH: &str = "/v3/kv/range";
-pub const GRANT_PATH: &str = "/v3/lease/grant";
-pub const KEEPALIVE_PATH: &str = "/v3/lease/keepalive";
+use crate::store::{CallAnswer, CallRequest};
 
 /// The etcd key of a store key: `/<namespace>/<hex of the SHA-256 store key>`.
 pub fn key_name(namespace: &str, store_key: &[u8; 32]) -> Vec<u8> {
-    let mut k = format!("/{namespace}/").into_bytes();
+    let hex = |n: u8| if n < 10 { b'0' + n } else { b'a' + n - 10 };
+    let mut k = Vec::with_capacity(namespace.len() + 2 + 64);
+    k.push(b'/');
+    k.extend_from_slice(namespace.as_bytes());
+    k.push(b'/');
     for b in store_key {
-        k.extend_from_slice(format!("{b:02x}").as_bytes());
+        k.extend([hex(b >> 4), hex(b & 15)]);
     }
     k
 }
 
-fn b64(bytes: &[u8]) -> String {
-    B64.encode(bytes)
+/// What the store asks of etcd. Every transaction is on one key: if `compare` holds, `write`;
+/// otherwise, with `read_back`, read the key in the same round trip.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Txn {
+        key: Vec<u8>,
+        compare: Compare,
+        write: Write,
+        read_back: bool,
+    },
+    /// Read one key (no write: it works while etcd refuses writes for lack of space).
+    Range {
+        key: Vec<u8>,
+    },
+    Grant {
+        ttl_s: u64,
+    },
 }
 
-fn put(key: &[u8], value: &[u8], lease: i64) -> Value {
-    let mut p = json!({"key": b64(key), "value": b64(value)});
-    if let (true, Some(obj)) = (lease != 0, p.as_object_mut()) {
-        obj.insert("lease".into(), json!(lease.to_string()));
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Compare {
+    /// The key does not exist (its `create_revision` is 0): a claim.
+    Absent,
+    /// Nobody wrote the key since this revision: a takeover, renewal, completion or release.
+    ModRevision(i64),
+    /// The key holds exactly this value: the cleanup of a claim whose answer was lost.
+    Value(Vec<u8>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Write {
+    /// `lease` 0: none.
+    Put {
+        value: Vec<u8>,
+        lease: i64,
+    },
+    Delete,
+}
+
+impl Request {
+    /// Claim: create the key if it does not exist; otherwise read it.
+    pub fn claim(key: &[u8], value: Vec<u8>, lease: i64) -> Request {
+        let write = Write::Put { value, lease };
+        Request::Txn { key: key.to_vec(), compare: Compare::Absent, write, read_back: true }
     }
-    json!({"request_put": p})
+
+    /// Replace the value if nobody wrote the key since `mod_revision`; otherwise read it.
+    pub fn replace(key: &[u8], mod_revision: i64, value: Vec<u8>, lease: i64) -> Request {
+        let write = Write::Put { value, lease };
+        Request::Txn { key: key.to_vec(), compare: Compare::ModRevision(mod_revision), write, read_back: true }
+    }
+
+    /// Delete the key if nobody wrote it since `mod_revision` (release); otherwise read it (a
+    /// renewal that etcd applied but did not acknowledge moved the revision on).
+    pub fn delete(key: &[u8], mod_revision: i64) -> Request {
+        let compare = Compare::ModRevision(mod_revision);
+        Request::Txn { key: key.to_vec(), compare, write: Write::Delete, read_back: true }
+    }
+
+    /// Delete the key if it still holds exactly `value`.
+    pub fn delete_if_value(key: &[u8], value: Vec<u8>) -> Request {
+        Request::Txn { key: key.to_vec(), compare: Compare::Value(value), write: Write::Delete, read_back: false }
+    }
 }
 
-fn range(key: &[u8]) -> Value {
-    json!({"request_range": {"key": b64(key)}})
+/// Which of etcd's client APIs the store speaks (configured: `store.api`).
+pub use crate::config::EtcdApi as Api;
+
+/// Where a request goes: the Envoy cluster, the `:authority`, the timeout.
+pub struct Target<'a> {
+    pub cluster: &'a str,
+    pub authority: &'a str,
+    pub timeout_ms: u64,
 }
 
-/// Claim: create the key if it does not exist; otherwise read it, in the same round trip.
-pub fn claim_txn(key: &[u8], value: &[u8], lease: i64) -> Vec<u8> {
-    json!({
-        "compare": [{"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
-        "success": [put(key, value, lease)],
-        "failure": [range(key)],
-    })
-    .to_string()
-    .into_bytes()
-}
+impl Api {
+    pub fn call(self, request: &Request, to: &Target) -> CallRequest {
+        match self {
+            Api::Grpc => super::grpc::call(request, to),
+            Api::Json => super::json::call(request, to),
+        }
+    }
 
-/// Replace the value if nobody wrote the key since `mod_revision` (takeover, renewal,
-/// completion); otherwise read it.
-pub fn replace_txn(key: &[u8], mod_revision: i64, value: &[u8], lease: i64) -> Vec<u8> {
-    json!({
-        "compare": [{"key": b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": mod_revision.to_string()}],
-        "success": [put(key, value, lease)],
-        "failure": [range(key)],
-    })
-    .to_string()
-    .into_bytes()
-}
+    pub fn parse_txn(self, answer: &CallAnswer) -> Result<TxnResult, EtcdError> {
+        match self {
+            Api::Grpc => super::grpc::parse_txn(answer),
+            Api::Json => super::json::parse_txn(answer.status, &answer.body),
+        }
+    }
 
-/// Delete the key if nobody wrote it since `mod_revision` (release); otherwise read it (a
-/// renewal that etcd applied but did not acknowledge moved the revision on).
-pub fn delete_txn(key: &[u8], mod_revision: i64) -> Vec<u8> {
-    json!({
-        "compare": [{"key": b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": mod_revision.to_string()}],
-        "success": [{"request_delete_range": {"key": b64(key)}}],
-        "failure": [range(key)],
-    })
-    .to_string()
-    .into_bytes()
-}
+    pub fn parse_range(self, answer: &CallAnswer) -> Result<Option<Kv>, EtcdError> {
+        match self {
+            Api::Grpc => super::grpc::parse_range(answer),
+            Api::Json => super::json::parse_range(answer.status, &answer.body),
+        }
+    }
 
-/// Delete the key if it still holds exactly `value`: cleans up a claim whose answer was lost
-/// (it may or may not have been applied).
-pub fn delete_if_value_txn(key: &[u8], value: &[u8]) -> Vec<u8> {
-    json!({
-        "compare": [{"key": b64(key), "result": "EQUAL", "target": "VALUE", "value": b64(value)}],
-        "success": [{"request_delete_range": {"key": b64(key)}}],
-    })
-    .to_string()
-    .into_bytes()
-}
+    pub fn parse_grant(self, answer: &CallAnswer) -> Result<i64, EtcdError> {
+        match self {
+            Api::Grpc => super::grpc::parse_grant(answer),
+            Api::Json => super::json::parse_grant(answer.status, &answer.body),
+        }
+    }
 
-/// Read one key (no write: it works while etcd refuses writes for lack of space).
-pub fn range_body(key: &[u8]) -> Vec<u8> {
-    json!({"key": b64(key)}).to_string().into_bytes()
-}
+    /// Whether an answer says etcd was not reached (down, unreachable, timed out, no
+    /// leader): the store backs off.
+    pub fn is_unreachable(self, answer: &CallAnswer) -> bool {
+        let error = match self {
+            Api::Grpc => super::grpc::error_of(answer),
+            Api::Json => super::json::error_of(answer.status, &answer.body),
+        };
+        error.is_some_and(|e| e.kind() == ErrorKind::Unreachable)
+    }
 
-pub fn grant_body(ttl_s: u64) -> Vec<u8> {
-    json!({"TTL": ttl_s.to_string()}).to_string().into_bytes()
-}
-
-pub fn keepalive_body(lease: i64) -> Vec<u8> {
-    json!({"ID": lease.to_string()}).to_string().into_bytes()
+    /// What a call that could not be sent at all stands for: etcd not reached.
+    pub fn not_sent(self) -> CallAnswer {
+        match self {
+            Api::Grpc => super::grpc::status_answer(14, "dispatch failed"),
+            Api::Json => CallAnswer { status: 503, headers: Vec::new(), body: b"dispatch failed".to_vec() },
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EtcdError {
-    /// An HTTP status other than 200 (Envoy's 503/504 when etcd is down or slow, or etcd's
-    /// own error), with etcd's error code and what its message says, when the body has them.
+    /// An error answer (Envoy's own when etcd is down or slow, or etcd's), with the HTTP
+    /// status (200 for gRPC), etcd's gRPC code and what its message says, when known.
     Status { status: u16, code: Option<i64>, kind: ErrorKind },
-    /// The body is not what the gateway sends.
+    /// The answer is not what etcd sends.
     Malformed(&'static str),
 }
 
@@ -186,168 +231,22 @@ pub struct TxnResult {
     pub current: Option<Kv>,
 }
 
-fn int(v: &Value) -> Option<i64> {
-    match v {
-        Value::String(s) => s.parse().ok(),
-        Value::Number(n) => n.as_i64(),
-        _ => None,
-    }
-}
-
-fn body_json(status: u16, body: &[u8]) -> Result<Value, EtcdError> {
-    let parsed: Option<Value> = serde_json::from_slice(body).ok();
-    if status != 200 {
-        let code = parsed.as_ref().and_then(|v| v.get("code")).and_then(int);
-        let says = |text: &str| {
-            let message = parsed.as_ref().and_then(|v| v.get("error").or_else(|| v.get("message")));
-            message.and_then(Value::as_str).is_some_and(|m| m.contains(text))
-        };
-        let kind = if says("database space exceeded") {
-            ErrorKind::NoSpace
-        } else if says("request is too large") {
-            ErrorKind::TooLarge
-        } else if parsed.is_none() && matches!(status, 0 | 502..=504) || code == Some(14) {
-            // Envoy's own answer (text), or etcd's Unavailable (14).
-            ErrorKind::Unreachable
-        } else {
-            ErrorKind::Other
-        };
-        return Err(EtcdError::Status { status, code, kind });
-    }
-    parsed.ok_or(EtcdError::Malformed("not JSON"))
-}
-
-/// Whether an answer says etcd was not reached (Envoy's own 502/503/504, etcd unavailable):
-/// the store backs off.
-pub fn is_unreachable(status: u16, body: &[u8]) -> bool {
-    status != 200 && matches!(body_json(status, body), Err(e) if e.kind() == ErrorKind::Unreachable)
-}
-
-/// The key a range read found, if any.
-pub fn parse_range(status: u16, body: &[u8]) -> Result<Option<Kv>, EtcdError> {
-    let v = body_json(status, body)?;
-    v.get("kvs").and_then(|k| k.get(0)).map(parse_kv).transpose()
-}
-
-fn parse_kv(kv: &Value) -> Result<Kv, EtcdError> {
-    let value = match kv.get("value").and_then(Value::as_str) {
-        Some(s) => B64.decode(s).map_err(|_| EtcdError::Malformed("value is not base64"))?,
-        None => Vec::new(),
-    };
-    let mod_revision = kv.get("mod_revision").and_then(int).ok_or(EtcdError::Malformed("no mod_revision"))?;
-    Ok(Kv { value, mod_revision })
-}
-
-pub fn parse_txn(status: u16, body: &[u8]) -> Result<TxnResult, EtcdError> {
-    let v = body_json(status, body)?;
-    let revision = v
-        .get("header")
-        .and_then(|h| h.get("revision"))
-        .and_then(int)
-        .ok_or(EtcdError::Malformed("no header.revision"))?;
-    let succeeded = v.get("succeeded").and_then(Value::as_bool).unwrap_or(false);
-    let current = if succeeded {
-        None
+/// What an error message of etcd's says, for the errors the plugin acts on.
+pub fn kind_of(message: &str, code: Option<i64>, envoy_unreachable: bool) -> ErrorKind {
+    if message.contains("database space exceeded") {
+        ErrorKind::NoSpace
+    } else if message.contains("request is too large") {
+        ErrorKind::TooLarge
+    } else if envoy_unreachable || code == Some(14) {
+        ErrorKind::Unreachable
     } else {
-        let kv = v
-            .get("responses")
-            .and_then(|r| r.get(0))
-            .and_then(|r| r.get("response_range"))
-            .and_then(|r| r.get("kvs"))
-            .and_then(|k| k.get(0));
-        kv.map(parse_kv).transpose()?
-    };
-    Ok(TxnResult { succeeded, revision, current })
-}
-
-/// A granted lease's id.
-pub fn parse_grant(status: u16, body: &[u8]) -> Result<i64, EtcdError> {
-    let v = body_json(status, body)?;
-    v.get("ID").and_then(int).filter(|id| *id != 0).ok_or(EtcdError::Malformed("no lease ID"))
-}
-
-/// Whether a keepalive found the lease alive (a dead lease answers 200 without `TTL`).
-pub fn parse_keepalive(status: u16, body: &[u8]) -> Result<bool, EtcdError> {
-    let v = body_json(status, body)?;
-    let result = v.get("result").ok_or(EtcdError::Malformed("no result"))?;
-    Ok(result.get("TTL").and_then(int).unwrap_or(0) > 0)
+        ErrorKind::Other
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn claim_body_has_the_create_compare() {
-        let body: Value = serde_json::from_slice(&claim_txn(b"/ns/k", b"v", 42)).unwrap();
-        assert_eq!(body["compare"][0]["target"], "CREATE");
-        assert_eq!(body["compare"][0]["create_revision"], "0");
-        assert_eq!(body["success"][0]["request_put"]["lease"], "42");
-        assert_eq!(body["success"][0]["request_put"]["value"], "dg==");
-        assert_eq!(body["failure"][0]["request_range"]["key"], "L25zL2s=");
-        let no_lease: Value = serde_json::from_slice(&claim_txn(b"k", b"v", 0)).unwrap();
-        assert!(no_lease["success"][0]["request_put"].get("lease").is_none());
-    }
-
-    #[test]
-    fn parses_a_successful_txn() {
-        let body = br#"{"header":{"cluster_id":"1","member_id":"2","revision":"12","raft_term":"2"},"succeeded":true,"responses":[{"response_put":{"header":{"revision":"12"}}}]}"#;
-        assert_eq!(parse_txn(200, body).unwrap(), TxnResult { succeeded: true, revision: 12, current: None });
-    }
-
-    #[test]
-    fn parses_a_failed_txn_with_its_read() {
-        let body = br#"{"header":{"revision":"9"},"responses":[{"response_range":{"header":{"revision":"9"},"kvs":[{"key":"aw==","create_revision":"5","mod_revision":"7","version":"2","value":"aGVsbG8="}],"count":"1"}}]}"#;
-        let r = parse_txn(200, body).unwrap();
-        assert!(!r.succeeded);
-        assert_eq!(r.current, Some(Kv { value: b"hello".to_vec(), mod_revision: 7 }));
-        // The key vanished between compare and read: no kvs.
-        let gone = br#"{"header":{"revision":"9"},"responses":[{"response_range":{"header":{"revision":"9"}}}]}"#;
-        assert_eq!(parse_txn(200, gone).unwrap().current, None);
-    }
-
-    #[test]
-    fn errors_carry_status_and_code() {
-        let e = parse_txn(404, br#"{"error":"etcdserver: requested lease not found","code":5}"#).unwrap_err();
-        assert!(e.is_lease_not_found());
-        let e = parse_txn(503, b"upstream connect error").unwrap_err();
-        assert_eq!(e, EtcdError::Status { status: 503, code: None, kind: ErrorKind::Unreachable });
-        assert_eq!(parse_txn(504, b"upstream request timeout").unwrap_err().kind(), ErrorKind::Unreachable);
-        let full = br#"{"error":"etcdserver: mvcc: database space exceeded","code":8}"#;
-        assert_eq!(parse_txn(429, full).unwrap_err().kind(), ErrorKind::NoSpace);
-        let big = br#"{"error":"etcdserver: request is too large","code":3}"#;
-        assert_eq!(parse_txn(400, big).unwrap_err().kind(), ErrorKind::TooLarge);
-        let no_leader = br#"{"error":"etcdserver: no leader","code":14}"#;
-        assert_eq!(parse_txn(503, no_leader).unwrap_err().kind(), ErrorKind::Unreachable);
-        assert_eq!(parse_txn(404, br#"{"error":"lease not found","code":5}"#).unwrap_err().kind(), ErrorKind::Other);
-        assert!(parse_txn(200, b"{}").is_err());
-        assert!(parse_txn(
-            200,
-            br#"{"header":{"revision":"1"},"responses":[{"response_range":{"kvs":[{"value":"!!"}]}}]}"#
-        )
-        .is_err());
-    }
-
-    #[test]
-    fn leases() {
-        assert_eq!(
-            parse_grant(200, br#"{"header":{},"ID":"7587862072013137409","TTL":"10"}"#).unwrap(),
-            7587862072013137409
-        );
-        assert!(parse_keepalive(200, br#"{"result":{"header":{},"ID":"1","TTL":"9"}}"#).unwrap());
-        assert!(!parse_keepalive(200, br#"{"result":{"header":{},"ID":"1"}}"#).unwrap());
-    }
-
-    #[test]
-    fn range_reads() {
-        let found =
-            br#"{"header":{"revision":"9"},"kvs":[{"key":"aw==","mod_revision":"7","value":"aGk="}],"count":"1"}"#;
-        assert_eq!(parse_range(200, found).unwrap(), Some(Kv { value: b"hi".to_vec(), mod_revision: 7 }));
-        assert_eq!(parse_range(200, br#"{"header":{"revision":"9"}}"#).unwrap(), None);
-        assert!(parse_range(503, b"down").is_err());
-        let body: Value = serde_json::from_slice(&range_body(b"/ns/k")).unwrap();
-        assert_eq!(body["key"], "L25zL2s=");
-    }
 
     #[test]
     fn backoff_doubles_with_jitter_up_to_its_bound_and_resets() {
@@ -372,5 +271,8 @@ mod tests {
     #[test]
     fn key_names_are_prefixed_hex() {
         assert_eq!(key_name("idem", &[0xab; 32]), format!("/idem/{}", "ab".repeat(32)).into_bytes());
+        let mixed: Vec<u8> = (0u8..32).collect();
+        let hex: String = mixed.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(key_name("n", &mixed.try_into().unwrap()), format!("/n/{hex}").into_bytes());
     }
 }

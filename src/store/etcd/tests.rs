@@ -3,26 +3,28 @@
 
 use std::rc::Rc;
 
+use super::grpc::status_answer;
 use super::model::Model;
-use super::EtcdStore;
-use crate::config::{EtcdConfig, OnUnavailable};
+use super::protocol::Api;
+use super::{EtcdStore, Link};
 use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Counter;
+use crate::store::CallKind;
 use crate::store::{Answer, Began, CallAnswer, Claim, Completed, For, Owner, Store};
 
 const LEASE: u64 = 10_000;
 const RETENTION: u64 = 60_000;
 
 fn store(seed: u64) -> EtcdStore {
-    let cfg = EtcdConfig {
-        cluster: "etcd".into(),
-        authority: "etcd".into(),
-        timeout_ms: 1_000,
-        on_unavailable: OnUnavailable::Reject,
-    };
-    EtcdStore::new(cfg, "t", LEASE, vec![RETENTION / 1000], seed)
+    let link = Link { cluster: "etcd".into(), authority: "etcd".into(), api: Api::Grpc, timeout_ms: 1_000 };
+    EtcdStore::new(link, "t", LEASE, vec![RETENTION / 1000], seed)
+}
+
+/// Envoy's answer when etcd's answer did not come within the call's timeout.
+fn timed_out() -> CallAnswer {
+    status_answer(4, "upstream request timeout")
 }
 
 fn claim(key: &str) -> Claim {
@@ -47,7 +49,7 @@ fn run(s: &mut EtcdStore, m: &mut Model, now: u64) {
 fn next_txn(s: &mut EtcdStore, m: &mut Model, now: u64) -> (u64, crate::store::CallRequest) {
     loop {
         let (n, request) = s.poll_call().expect("a call");
-        if request.headers.iter().any(|(n, v)| n == ":path" && v == super::protocol::TXN_PATH) {
+        if matches!(request.kind, CallKind::Grpc { method: "Txn", .. }) {
             return (n, request);
         }
         let answer = m.handle(&request, now);
@@ -129,8 +131,7 @@ fn a_renewal_applied_but_not_acknowledged_does_not_lose_the_key() {
     s.renew(owner, LEASE, 2_500);
     let (n, request) = s.poll_call().expect("a renewal");
     m.handle(&request, 2_500); // applied...
-    let timeout = CallAnswer { status: 504, headers: Vec::new(), body: b"upstream request timeout".to_vec() };
-    s.on_call_answer(n, &timeout, 3_500); // ...but its answer is lost
+    s.on_call_answer(n, &timed_out(), 3_500); // ...but its answer is lost
     s.complete(owner, Some(response("done")), RETENTION, 5_000);
     run(&mut s, &mut m, 5_000);
     assert!(matches!(completed(&mut s), Completed::Stored { .. }), "the owner lost its own key");
@@ -146,7 +147,7 @@ fn a_release_after_an_unacknowledged_renewal_still_releases() {
     s.renew(owner, LEASE, 2_500);
     let (n, request) = s.poll_call().expect("a renewal");
     m.handle(&request, 2_500);
-    s.on_call_answer(n, &CallAnswer { status: 504, ..CallAnswer::default() }, 3_500);
+    s.on_call_answer(n, &timed_out(), 3_500);
     s.release(owner, 4_000);
     run(&mut s, &mut m, 4_000);
     assert!(matches!(answers(&mut s).as_slice(), [(_, Answer::Released { done: true, .. })]));
@@ -166,6 +167,9 @@ fn a_claim_answered_after_its_lease_is_not_sent_upstream_if_taken_over() {
     let late_answer = m.handle(&request, 0);
     // A's mark expires; B takes the key.
     let b_owner = claimed(&mut b, &mut m, "k", LEASE + 500);
+    // A's VM is alive meanwhile: its timer keeps its lease fresh.
+    a.tick(LEASE + 600);
+    run(&mut a, &mut m, LEASE + 600);
     a.on_call_answer(n, &late_answer, LEASE + 1_000);
     run(&mut a, &mut m, LEASE + 1_000);
     match began(&mut a) {
@@ -178,7 +182,7 @@ fn a_claim_answered_after_its_lease_is_not_sent_upstream_if_taken_over() {
 fn a_claim_answered_in_time_takes_one_transaction() {
     let (mut s, mut m) = (store(1), Model::new());
     claimed(&mut s, &mut m, "k", 0);
-    assert_eq!(m.requests.get(super::protocol::TXN_PATH), Some(&1));
+    assert_eq!(m.requests.get("Txn"), Some(&1));
 }
 
 /// Defect: with `forward: "router"`, a stream whose client left early leaked its owner
@@ -200,11 +204,7 @@ fn a_claim_whose_answer_timed_out_is_cleaned_up() {
     s.begin(For::Stream(1), &claim("k"), 0);
     let (n, request) = next_txn(&mut s, &mut m, 0);
     m.handle(&request, 0); // applied
-    s.on_call_answer(
-        n,
-        &CallAnswer { status: 504, body: b"upstream request timeout".to_vec(), ..Default::default() },
-        1_000,
-    );
+    s.on_call_answer(n, &timed_out(), 1_000);
     assert!(matches!(began(&mut s), Began::Unavailable));
     assert!(m.keys().iter().any(|k| k.starts_with(b"/t/")), "the claim was applied");
     // After the backoff, the cleanup removes the mark: the key is not locked for a lease.
@@ -217,11 +217,7 @@ fn a_claim_whose_answer_timed_out_is_cleaned_up() {
 #[test]
 fn an_unreachable_etcd_is_not_hammered() {
     let mut s = store(1);
-    let down = CallAnswer {
-        status: 503,
-        body: b"upstream connect error or disconnect/reset before headers".to_vec(),
-        ..Default::default()
-    };
+    let down = status_answer(14, "upstream connect error or disconnect/reset before headers");
     let mut sent = 0;
     let mut unavailable = 0;
     for t in (0..10_000u64).step_by(10) {
@@ -259,4 +255,58 @@ fn out_of_space_stored_answers_replay_and_new_keys_are_unavailable() {
     assert!(matches!(began(&mut s), Began::Unavailable));
     let counts: Vec<Counter> = std::iter::from_fn(|| s.poll_count()).collect();
     assert_eq!(counts, vec![Counter::StoreNoSpace, Counter::StoreNoSpace]);
+}
+
+/// The VM lease is never kept alive: a new one is granted every quarter of its TTL, and a
+/// mark is written only with a lease that outlives the mark's own deadline (SPEC §3.8: the
+/// deadline decides, the lease only collects).
+#[test]
+fn the_lease_a_mark_rides_outlives_its_deadline() {
+    let (mut s, mut m) = (store(1), Model::new());
+    let owner = claimed(&mut s, &mut m, "k", 0);
+    let key = m.keys().into_iter().find(|k| k.starts_with(b"/t/")).unwrap();
+    let mut deadline = LEASE;
+    for t in (100..120_000u64).step_by(100) {
+        if t % (LEASE / 4) == 0 {
+            s.renew(owner, LEASE, t);
+            deadline = t + LEASE;
+        }
+        s.tick(t);
+        run(&mut s, &mut m, t);
+        assert!(answers(&mut s).is_empty());
+        let end = m.lease_end(&key).expect("the mark rides a live lease");
+        assert!(end >= deadline, "at {t}: the lease ends at {end}, before the mark's deadline {deadline}");
+    }
+    // 120 s at one grant per 5 s (TTL 20 s): leases rotate, none is kept alive.
+    let grants = m.granted_ttls.iter().filter(|ttl| **ttl == 20).count();
+    assert!((24..=30).contains(&grants), "{grants} grants in 120 s");
+}
+
+#[test]
+fn without_a_fresh_lease_no_mark_is_written() {
+    let (mut s, mut m) = (store(1), Model::new());
+    claimed(&mut s, &mut m, "a", 0);
+    // From now on etcd applies what it gets but no answer comes back: no new lease arrives.
+    let mut claims = 0;
+    for t in (100..20_000u64).step_by(100) {
+        if t % 1_000 == 0 {
+            s.begin(For::Stream(t as u32), &claim(&format!("k{t}")), t);
+        }
+        s.tick(t);
+        while let Some((n, request)) = s.poll_call() {
+            if matches!(request.kind, CallKind::Grpc { method: "Txn", .. }) {
+                claims += 1;
+                let before = m.keys();
+                m.handle(&request, t);
+                for key in m.keys().iter().filter(|k| !before.contains(k)) {
+                    let end = m.lease_end(key).unwrap_or(0);
+                    assert!(end >= t + LEASE, "a mark written at {t} rides a lease that ends at {end}");
+                }
+            }
+            s.on_call_answer(n, &timed_out(), t);
+        }
+        answers(&mut s);
+    }
+    // Claims stop once the first lease (granted at 0, TTL 20 s) would not outlive a mark.
+    assert!((1..=9).contains(&claims), "{claims} claims sent");
 }
