@@ -24,10 +24,11 @@ pub enum Counter {
     Evicted,
     ScopeMissing,
     StoreNoSpace,
+    CompletionUnacknowledged,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 20] = [
+    pub const ALL: [Counter; 21] = [
         Counter::Claimed,
         Counter::Replayed,
         Counter::Conflict,
@@ -48,6 +49,7 @@ impl Counter {
         Counter::Evicted,
         Counter::ScopeMissing,
         Counter::StoreNoSpace,
+        Counter::CompletionUnacknowledged,
     ];
 
     pub fn name(self) -> &'static str {
@@ -72,6 +74,7 @@ impl Counter {
             Counter::Evicted => "idempotency.evicted",
             Counter::ScopeMissing => "idempotency.scope_missing",
             Counter::StoreNoSpace => "idempotency.store_no_space",
+            Counter::CompletionUnacknowledged => "idempotency.completion_unacknowledged",
         }
     }
 }

@@ -80,6 +80,29 @@ def test_retry_on_the_other_envoy_gets_409_then_the_replay(wasm, upstream, etcd,
         b.stop()
 
 
+@pytest.mark.parametrize("forward", ["detached", "router"])
+def test_read_your_writes_a_retry_right_after_the_answer_is_replayed_on_the_other_envoy(
+        wasm, upstream, etcd, forward):
+    """SPEC §3.4: the completion is in etcd before the answer's end reaches the client, so a
+    retry sent the moment the answer arrived, to the other replica, is replayed (before:
+    409 in 2 of 5 runs)."""
+    a, b = start_pair(upstream, etcd, forward=forward)
+    try:
+        outcomes = []
+        for i in range(40):
+            key = uuid.uuid4().hex
+            first = post(a, key)
+            assert first.status == 201 and first.header("idempotent-replayed") is None
+            again = post(b, key)
+            outcomes.append((again.status, again.header("idempotent-replayed")))
+            assert again.body == first.body
+        assert outcomes == [(201, "true")] * 40, outcomes
+        assert a.stat("wasmcustom.idempotency.completion_unacknowledged") == 0
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_500_keys_sent_4_times_to_both_envoys_give_500_effects(wasm, upstream, etcd):
     a, b = start_pair(upstream, etcd)
     try:

@@ -226,22 +226,26 @@ impl<S: Store> Lifecycle<S> {
             Answer::Completed(Completed::Stored { change, response }) => {
                 self.count(Counter::Completed);
                 self.apply(&change);
+                self.release_end(owner, true);
                 response
             }
             Answer::Completed(Completed::WithoutBody { change, response }) => {
                 self.count(Counter::Completed);
                 self.count(Counter::ResponseNotStored);
                 self.apply(&change);
+                self.release_end(owner, true);
                 response
             }
             Answer::Completed(Completed::Lost { response }) => {
                 log::info!("a mark was taken over before its owner finished; the late result is not stored");
                 self.count(Counter::OwnerLost);
+                self.release_end(owner, true);
                 response
             }
             Answer::Refused { error, response } => {
                 log::warn!("store write refused ({error:?}); retried from the timer");
                 self.count(Counter::StoreError);
+                self.release_end(owner, false);
                 response
             }
             Answer::Began(_) => None,

@@ -40,6 +40,10 @@ pub enum Effect {
     Resume {
         stream: u32,
     },
+    /// Let `stream`'s paused response go on to the client (its completion is stored).
+    ResumeResponse {
+        stream: u32,
+    },
     /// Send an HTTP call from the root context (only emitted in the root's events).
     Dispatch {
         call: CallId,

@@ -3,10 +3,10 @@
 
 use std::rc::Rc;
 
-use super::{CallId, Effect, Lifecycle, Outgoing, Phase, Reply, Upstream};
+use super::{CallId, Effect, HeldEnd, Lifecycle, Outgoing, Phase, Reply, Upstream};
 use crate::budget::Reservation;
 use crate::encoding::{StoredResponse, STORED_OVERHEAD};
-use crate::host::{Headers, Host};
+use crate::host::{Flow, Headers, Host};
 use crate::metrics::Counter;
 use crate::problem::Problem;
 use crate::store::{CallAnswer, CallKind, CallRequest, Owner, Store};
@@ -158,8 +158,9 @@ impl<S: Store> Lifecycle<S> {
         }
     }
 
-    /// Completes with the answer and sends it. A store that answers at once stores it first,
-    /// from the same bytes (the VM holds one copy); etcd sends it first (docs/limits.md).
+    /// Completes with the answer, then sends it (read your writes, SPEC §3.4), from the same
+    /// bytes (the VM holds one copy). A store that answers later (etcd) has it held until it
+    /// acknowledged the completion, or for `write_wait_ms` at most.
     fn complete_then_answer(
         &mut self,
         owner: Owner,
@@ -169,12 +170,48 @@ impl<S: Store> Lifecycle<S> {
         now: u64,
     ) {
         if !self.store.answers_at_once() {
-            self.reply(stream, Reply::Stored { response: response.clone(), replayed: false });
+            self.ends.insert(owner.id, HeldEnd { stream, since_ms: now, reply: Some(response.clone()) });
             self.complete(owner, Some(response), retention_ms, now);
             return;
         }
         if let Some(response) = self.complete(owner, Some(response), retention_ms, now) {
             self.reply(stream, Reply::Stored { response, replayed: false });
+        }
+    }
+
+    /// The store acknowledged an owner's completion, or could not for now: the answer's end
+    /// goes on.
+    pub(super) fn release_end(&mut self, owner: Owner, acknowledged: bool) {
+        if let Some(end) = self.ends.remove(&owner.id) {
+            if !acknowledged {
+                self.count(Counter::CompletionUnacknowledged);
+            }
+            self.send_end(end);
+        }
+    }
+
+    fn send_end(&mut self, end: HeldEnd) {
+        match end.reply {
+            Some(response) => self.reply(end.stream, Reply::Stored { response, replayed: false }),
+            // A stream Envoy has ended must not be resumed: its callbacks would reach a
+            // context the SDK has dropped (SPEC §4).
+            None if self.streams.contains_key(&end.stream) => {
+                self.effects.push(Effect::ResumeResponse { stream: end.stream })
+            }
+            None => {}
+        }
+    }
+
+    /// From the timer: answers whose completion the store did not acknowledge in time go on
+    /// (the completion is still retried).
+    pub(super) fn expire_ends(&mut self, now: u64) {
+        let wait = self.store.write_wait_ms();
+        let late: Vec<u64> = self.ends.iter().filter(|(_, e)| now >= e.since_ms + wait).map(|(id, _)| *id).collect();
+        for id in late {
+            if let Some(end) = self.ends.remove(&id) {
+                self.count(Counter::CompletionUnacknowledged);
+                self.send_end(end);
+            }
         }
     }
 
@@ -198,14 +235,33 @@ impl<S: Store> Lifecycle<S> {
         self.on_owner_answer(owner, answer)
     }
 
-    /// Router forwarding: the upstream's answer (or Envoy's stand-in for it) arrives.
-    pub fn on_response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) {
-        let Some(stream) = self.streams.get_mut(&id) else { return };
-        let Phase::Owner { owner, capture: None } = stream.phase else { return };
+    /// Router forwarding: the upstream's answer (or Envoy's stand-in for it) arrives. Its end
+    /// is held (`Flow::Pause`) until the store acknowledged the completion.
+    pub fn on_response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) -> Flow {
+        let flow = self.response_headers(host, id, end_of_stream);
+        self.after_stream_event();
+        flow
+    }
+
+    pub fn on_response_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool) -> Flow {
+        let flow = self.response_body(host, id, size, end_of_stream);
+        self.after_stream_event();
+        flow
+    }
+
+    pub fn on_response_trailers(&mut self, host: &dyn Host, id: u32) -> Flow {
+        let flow = if self.streams.contains_key(&id) { self.finish_capture(id, host.now_ms()) } else { Flow::Continue };
+        self.after_stream_event();
+        flow
+    }
+
+    fn response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) -> Flow {
+        let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
+        let Phase::Owner { owner, capture: None } = stream.phase else { return Flow::Continue };
         let policy = stream.policy;
         let Some(owner) = owner else {
             stream.phase = Phase::Pass; // forwarded without a claim
-            return;
+            return Flow::Continue;
         };
         let now = host.now_ms();
         let headers = host.response_headers();
@@ -220,7 +276,8 @@ impl<S: Store> Lifecycle<S> {
                 self.count(Counter::UpstreamFailed);
             }
             self.set_phase(id, Phase::Pass);
-            return self.release(owner, now);
+            self.release(owner, now);
+            return Flow::Continue;
         }
         let headers: Headers = headers.into_iter().filter(|(n, _)| !is_hop_by_hop(n)).collect();
         let head = STORED_OVERHEAD + headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum::<usize>();
@@ -228,17 +285,18 @@ impl<S: Store> Lifecycle<S> {
             (head <= p.max_response_bytes).then(|| self.buffered.reserve(head)).flatten().map(|r| (Vec::new(), r));
         self.set_phase(id, Phase::Owner { owner: Some(owner), capture: Some(Capture { status, headers, kept }) });
         if end_of_stream {
-            self.finish_capture(id, now);
+            return self.finish_capture(id, now);
         }
+        Flow::Continue
     }
 
-    pub fn on_response_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool) {
+    fn response_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool) -> Flow {
         let max = match self.streams.get(&id) {
             Some(s) => self.config.policy(s.policy).max_response_bytes,
-            None => return,
+            None => return Flow::Continue,
         };
-        let Some(stream) = self.streams.get_mut(&id) else { return };
-        let Phase::Owner { capture: Some(c), .. } = &mut stream.phase else { return };
+        let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
+        let Phase::Owner { capture: Some(c), .. } = &mut stream.phase else { return Flow::Continue };
         if let Some((body, reservation)) = &mut c.kept {
             // With Action::Continue each callback sees the current chunk: copy it as it
             // passes, so storing never delays or buffers the response. Past the response
@@ -250,29 +308,37 @@ impl<S: Store> Lifecycle<S> {
             }
         }
         if end_of_stream {
-            self.finish_capture(id, host.now_ms());
+            return self.finish_capture(id, host.now_ms());
         }
+        Flow::Continue
     }
 
-    pub fn on_response_trailers(&mut self, host: &dyn Host, id: u32) {
-        if self.streams.contains_key(&id) {
-            self.finish_capture(id, host.now_ms());
-        }
-    }
-
-    fn finish_capture(&mut self, id: u32, now: u64) {
-        let Some(stream) = self.streams.get_mut(&id) else { return };
+    /// The answer is all there: complete the key; with a store that answers later, hold the
+    /// end until it did.
+    fn finish_capture(&mut self, id: u32, now: u64) -> Flow {
+        let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
         if !matches!(stream.phase, Phase::Owner { owner: Some(_), capture: Some(_) }) {
-            return;
+            return Flow::Continue;
         }
         let Phase::Owner { owner: Some(owner), capture: Some(c) } = std::mem::replace(&mut stream.phase, Phase::Pass)
         else {
-            return;
+            return Flow::Continue;
         };
         let retention_ms = self.config.policy(stream.policy).retention_s * 1000;
         let response = c.kept.map(|(body, _reservation)| {
             Rc::new(StoredResponse::new(c.status, c.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())), body))
         });
+        if self.store.answers_at_once() {
+            self.complete(owner, response, retention_ms, now);
+            return Flow::Continue;
+        }
+        self.ends.insert(owner.id, HeldEnd { stream: id, since_ms: now, reply: None });
         self.complete(owner, response, retention_ms, now);
+        // Answered at once after all (the owner was gone): nothing to wait for.
+        if self.ends.contains_key(&owner.id) {
+            Flow::Pause
+        } else {
+            Flow::Continue
+        }
     }
 }

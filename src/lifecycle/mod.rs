@@ -12,6 +12,8 @@ mod timer;
 mod waiting;
 
 #[cfg(test)]
+mod fleet_tests;
+#[cfg(test)]
 mod tests;
 
 pub use effect::{CallId, Effect, Reply};
@@ -49,6 +51,9 @@ pub struct Lifecycle<S> {
     store_calls: VecDeque<(u64, CallRequest)>,
     /// Claims whose mark is renewed while their call lives, by owner id.
     holdings: IdMap<u64, Holding>,
+    /// Answers whose end waits for the store to acknowledge their completion (read your
+    /// writes, SPEC §3.4), by owner id.
+    ends: IdMap<u64, HeldEnd>,
     effects: Vec<Effect>,
     /// Bytes buffered for requests in flight: router captures, held bodies.
     buffered: Budget,
@@ -99,6 +104,14 @@ struct Held {
     _buffered: Option<Reservation>,
 }
 
+/// The end of an answer held for its completion.
+struct HeldEnd {
+    stream: u32,
+    since_ms: u64,
+    /// Detached: the answer to send (`None`: router forwarding, the response is paused).
+    reply: Option<Rc<crate::encoding::StoredResponse>>,
+}
+
 struct Holding {
     owner: Owner,
     policy: usize,
@@ -139,6 +152,7 @@ impl<S: Store> Lifecycle<S> {
             outbox: VecDeque::new(),
             store_calls: VecDeque::new(),
             holdings: IdMap::default(),
+            ends: IdMap::default(),
             effects: Vec::new(),
             buffered,
             next_call: 1,
@@ -191,7 +205,11 @@ impl<S: Store> Lifecycle<S> {
 
     /// Nothing in flight and nothing to retry: a root that is being replaced may end.
     pub fn is_idle(&self) -> bool {
-        self.calls.is_empty() && self.outbox.is_empty() && self.store_calls.is_empty() && self.store.is_idle()
+        self.calls.is_empty()
+            && self.outbox.is_empty()
+            && self.store_calls.is_empty()
+            && self.ends.is_empty()
+            && self.store.is_idle()
     }
 
     // --- stream events ------------------------------------------------------------------
@@ -349,7 +367,7 @@ impl<S: Store> Lifecycle<S> {
     }
 
     /// A stream's event queued calls for the root: wake it (once until it runs).
-    fn after_stream_event(&mut self) {
+    pub(super) fn after_stream_event(&mut self) {
         while let Some(call) = self.store.poll_call() {
             self.store_calls.push_back(call);
         }

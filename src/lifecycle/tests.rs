@@ -12,18 +12,19 @@ use crate::table::{Layout, Table};
 
 /// What Envoy would hand the plugin for the current stream or call.
 #[derive(Default, Clone)]
-struct FakeHost {
-    request: Headers,
-    body: Vec<u8>,
-    response: Headers,
-    response_body: Vec<u8>,
-    code_details: Option<&'static str>,
-    call_headers: Headers,
-    call_body: Vec<u8>,
-    now: u64,
+pub(super) struct FakeHost {
+    pub(super) request: Headers,
+    pub(super) body: Vec<u8>,
+    pub(super) response: Headers,
+    pub(super) response_body: Vec<u8>,
+    pub(super) code_details: Option<&'static str>,
+    pub(super) call_headers: Headers,
+    pub(super) call_body: Vec<u8>,
+    pub(super) now: u64,
+    pub(super) grpc_text: Vec<u8>,
 }
 
-type Headers = Vec<(String, Vec<u8>)>;
+pub(super) type Headers = Vec<(String, Vec<u8>)>;
 
 impl Host for FakeHost {
     fn now_ms(&self) -> u64 {
@@ -61,15 +62,15 @@ impl Host for FakeHost {
         self.call_body.iter().take(size).copied().collect()
     }
     fn grpc_status_text(&self) -> Vec<u8> {
-        Vec::new()
+        self.grpc_text.clone()
     }
 }
 
-fn headers(pairs: &[(&str, &str)]) -> Headers {
+pub(super) fn headers(pairs: &[(&str, &str)]) -> Headers {
     pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
 }
 
-fn post(key: &str, body: &str) -> FakeHost {
+pub(super) fn post(key: &str, body: &str) -> FakeHost {
     let request = headers(&[
         (":method", "POST"),
         (":path", "/pay"),
@@ -93,7 +94,7 @@ fn lifecycle(config: &str) -> Lifecycle<Shared> {
 }
 
 /// A whole request on stream `id`: headers, then the body.
-fn send<S: Store>(l: &mut Lifecycle<S>, id: u32, host: &FakeHost, now: u64) -> (Flow, Vec<Effect>) {
+pub(super) fn send<S: Store>(l: &mut Lifecycle<S>, id: u32, host: &FakeHost, now: u64) -> (Flow, Vec<Effect>) {
     let host = &at(host, now);
     assert_eq!(l.on_request_headers(host, id, false), Flow::Pause);
     let flow = l.on_request_body(host, id, host.body.len(), true);
@@ -101,11 +102,11 @@ fn send<S: Store>(l: &mut Lifecycle<S>, id: u32, host: &FakeHost, now: u64) -> (
 }
 
 /// `host` at time `now`.
-fn at(host: &FakeHost, now: u64) -> FakeHost {
+pub(super) fn at(host: &FakeHost, now: u64) -> FakeHost {
     FakeHost { now, ..host.clone() }
 }
 
-fn dispatched(effects: &[Effect]) -> Vec<(CallId, CallRequest)> {
+pub(super) fn dispatched(effects: &[Effect]) -> Vec<(CallId, CallRequest)> {
     effects
         .iter()
         .filter_map(|e| match e {
@@ -115,7 +116,7 @@ fn dispatched(effects: &[Effect]) -> Vec<(CallId, CallRequest)> {
         .collect()
 }
 
-fn replies(effects: &[Effect]) -> Vec<(u32, Reply)> {
+pub(super) fn replies(effects: &[Effect]) -> Vec<(u32, Reply)> {
     effects
         .iter()
         .filter_map(|e| match e {
@@ -125,7 +126,7 @@ fn replies(effects: &[Effect]) -> Vec<(u32, Reply)> {
         .collect()
 }
 
-fn count(effects: &[Effect], counter: Counter) -> u32 {
+pub(super) fn count(effects: &[Effect], counter: Counter) -> u32 {
     effects
         .iter()
         .map(|e| {
@@ -142,7 +143,7 @@ fn count(effects: &[Effect], counter: Counter) -> u32 {
         .sum()
 }
 
-fn upstream_answer(status: &str, body: &str) -> FakeHost {
+pub(super) fn upstream_answer(status: &str, body: &str) -> FakeHost {
     FakeHost {
         call_headers: headers(&[
             (":status", status),
@@ -154,21 +155,21 @@ fn upstream_answer(status: &str, body: &str) -> FakeHost {
     }
 }
 
-fn status_of(reply: &Reply) -> u16 {
+pub(super) fn status_of(reply: &Reply) -> u16 {
     match reply {
         Reply::Problem(p) => p.status,
         Reply::Stored { response, .. } => response.status(),
     }
 }
 
-fn body_of(reply: &Reply) -> Vec<u8> {
+pub(super) fn body_of(reply: &Reply) -> Vec<u8> {
     match reply {
         Reply::Problem(p) => p.body(),
         Reply::Stored { response, .. } => response.body().to_vec(),
     }
 }
 
-fn is_replay(reply: &Reply) -> bool {
+pub(super) fn is_replay(reply: &Reply) -> bool {
     matches!(reply, Reply::Stored { replayed: true, .. })
 }
 

@@ -203,6 +203,10 @@ pub fn resume_request() -> bool {
     hostcalls::resume_http_request().is_ok()
 }
 
+pub fn resume_response() -> bool {
+    hostcalls::resume_http_response().is_ok()
+}
+
 /// Makes `context_id` the stream that later calls act on; `false` when the stream is gone.
 pub fn set_effective_context(context_id: u32) -> bool {
     hostcalls::set_effective_context(context_id).is_ok()

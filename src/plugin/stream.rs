@@ -54,25 +54,25 @@ impl HttpContext for Stream {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let id = self.id;
-        if self.vm.read(|l| l.watches_response(id)) {
-            self.vm.event(Some(id), |l| l.on_response_headers(&HostCalls, id, end_of_stream));
+        if !self.vm.read(|l| l.watches_response(id)) {
+            return Action::Continue;
         }
-        Action::Continue
+        action(self.vm.event(Some(id), |l| l.on_response_headers(&HostCalls, id, end_of_stream)))
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let id = self.id;
-        if self.vm.read(|l| l.watches_response(id)) {
-            self.vm.event(Some(id), |l| l.on_response_body(&HostCalls, id, body_size, end_of_stream));
+        if !self.vm.read(|l| l.watches_response(id)) {
+            return Action::Continue;
         }
-        Action::Continue
+        action(self.vm.event(Some(id), |l| l.on_response_body(&HostCalls, id, body_size, end_of_stream)))
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
         let id = self.id;
-        if self.vm.read(|l| l.watches_response(id)) {
-            self.vm.event(Some(id), |l| l.on_response_trailers(&HostCalls, id));
+        if !self.vm.read(|l| l.watches_response(id)) {
+            return Action::Continue;
         }
-        Action::Continue
+        action(self.vm.event(Some(id), |l| l.on_response_trailers(&HostCalls, id)))
     }
 }

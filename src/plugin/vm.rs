@@ -82,6 +82,11 @@ impl Vm {
                     hostcalls::resume_request();
                 }
             }
+            Effect::ResumeResponse { stream } => {
+                if hostcalls::set_effective_context(stream) {
+                    hostcalls::resume_response();
+                }
+            }
             Effect::Dispatch { call, request } => self.dispatch(call, request),
             Effect::WakeRoot => {
                 if let Some(queue) = self.queue.get() {

@@ -183,9 +183,11 @@ pub trait Store {
     fn on_call_failed(&mut self, call: u64, now_ms: u64);
     /// How often a held request (wait mode) asks again, at least.
     fn wait_poll_ms(&self) -> u64;
-    /// Whether every operation answers at once (shared data): then the lifecycle stores a
-    /// detached answer before sending it, and renews from stream events too.
+    /// Whether every operation answers at once (shared data): then the lifecycle renews from
+    /// stream events too.
     fn answers_at_once(&self) -> bool;
+    /// How long an answer's end waits for its completion to be acknowledged, at most.
+    fn write_wait_ms(&self) -> u64;
     /// Nothing in flight and nothing to retry: a root may end (a configuration update).
     fn is_idle(&self) -> bool;
 }
@@ -236,6 +238,9 @@ impl<T: Store + ?Sized> Store for Box<T> {
     }
     fn answers_at_once(&self) -> bool {
         (**self).answers_at_once()
+    }
+    fn write_wait_ms(&self) -> u64 {
+        (**self).write_wait_ms()
     }
     fn is_idle(&self) -> bool {
         (**self).is_idle()

@@ -252,6 +252,10 @@ impl<S: SharedKv> Store for SharedStore<S> {
         true
     }
 
+    fn write_wait_ms(&self) -> u64 {
+        0
+    }
+
     fn is_idle(&self) -> bool {
         self.retries.is_empty() && self.answers.is_empty()
     }

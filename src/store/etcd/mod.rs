@@ -19,7 +19,7 @@ mod owners;
 pub mod protocol;
 
 #[cfg(test)]
-mod model;
+pub(crate) mod model;
 #[cfg(test)]
 mod tests;
 
@@ -433,6 +433,12 @@ impl Store for EtcdStore {
 
     fn answers_at_once(&self) -> bool {
         false
+    }
+
+    /// A completion is answered within the call's timeout, or waits for a retention lease
+    /// (one more call): twice the timeout bounds both.
+    fn write_wait_ms(&self) -> u64 {
+        2 * self.link.timeout_ms
     }
 
     fn is_idle(&self) -> bool {

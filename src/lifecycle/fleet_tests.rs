@@ -1,0 +1,169 @@
+//! The lifecycle over the etcd store, two replicas on one in-memory etcd: what a fleet
+//! promises that one Envoy does not have to (read your writes across replicas).
+
+use super::tests::{at, count, dispatched, post, replies, send, status_of, upstream_answer, FakeHost};
+use super::*;
+use crate::config::Config;
+use crate::metrics::Counter;
+use crate::store::etcd::model::Model;
+use crate::store::etcd::protocol::Api;
+use crate::store::etcd::{EtcdStore, Link};
+use crate::store::CallAnswer;
+
+fn replica(config: &str, seed: u64) -> Lifecycle<EtcdStore> {
+    let config = Config::parse(config.as_bytes()).unwrap();
+    let link = Link { cluster: "etcd".into(), authority: "etcd".into(), api: Api::Grpc, timeout_ms: 1_000 };
+    let max_lease = config.policies().map(|p| p.lease_ms).max().unwrap();
+    let retentions = config.policies().map(|p| p.retention_s).collect();
+    let store = EtcdStore::new(link, &config.namespace, max_lease, retentions, seed);
+    Lifecycle::new(config, store)
+}
+
+const ETCD: &str = r#"{"store":{"kind":"etcd","cluster":"etcd"}}"#;
+const ETCD_ROUTER: &str = r#"{"forward":"router","store":{"kind":"etcd","cluster":"etcd"}}"#;
+
+/// Delivers an etcd answer to the lifecycle as the adapter does.
+fn deliver(l: &mut Lifecycle<EtcdStore>, call: CallId, answer: &CallAnswer, now: u64) {
+    let status = answer.headers.iter().find(|(n, _)| n == "grpc-status");
+    let status: u32 = status.and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok()).unwrap_or(14);
+    let text = answer.headers.iter().find(|(n, _)| n == "grpc-message").map(|(_, v)| v.clone()).unwrap_or_default();
+    let host = FakeHost { call_body: answer.body.clone(), grpc_text: text, ..FakeHost::default() };
+    l.on_grpc_call_answer(&host, call, status, answer.body.len(), now);
+}
+
+/// Runs the root's events: every etcd call the lifecycle asks for is answered by `m`, until
+/// none is left; the other effects, in order.
+fn settle(l: &mut Lifecycle<EtcdStore>, m: &mut Model, mut effects: Vec<Effect>, now: u64) -> Vec<Effect> {
+    let mut out = Vec::new();
+    loop {
+        if effects.contains(&Effect::WakeRoot) {
+            l.on_wake(now);
+        }
+        let mut answered = false;
+        for effect in std::mem::take(&mut effects) {
+            match effect {
+                Effect::Dispatch { call: call @ CallId::Store(_), request } => {
+                    let answer = m.handle(&request, now);
+                    deliver(l, call, &answer, now);
+                    answered = true;
+                }
+                Effect::WakeRoot => {}
+                other => out.push(other),
+            }
+        }
+        effects = l.take_effects();
+        if !answered && effects.is_empty() {
+            return out;
+        }
+    }
+}
+
+/// Read your writes: with etcd, a detached answer reaches its client only once etcd has its
+/// completion; a retry sent after that, to the other replica, is replayed.
+#[test]
+fn a_detached_answer_leaves_after_its_completion_is_stored() {
+    let mut m = Model::new();
+    let (mut a, mut b) = (replica(ETCD, 1), replica(ETCD, 2));
+    let (flow, effects) = send(&mut a, 1, &post("k", "{}"), 0);
+    assert_eq!(flow, Flow::Pause);
+    let effects = settle(&mut a, &mut m, effects, 0);
+    let calls = dispatched(&effects);
+    assert_eq!(calls.len(), 1, "the claim is in: the request goes upstream");
+    a.on_call_answer(&upstream_answer("201", "made"), calls[0].0, true, 4, 5);
+    let effects = a.take_effects();
+    assert!(replies(&effects).is_empty(), "the answer waits for its completion");
+    let completion: Vec<Effect> =
+        effects.iter().filter(|e| matches!(e, Effect::Dispatch { call: CallId::Store(_), .. })).cloned().collect();
+    assert_eq!(completion.len(), 1, "{effects:?}");
+    // Nothing is stored until etcd has the completion: the other replica gets 409.
+    let (_, early) = send(&mut b, 7, &post("k", "{}"), 6);
+    let early = settle(&mut b, &mut m, early, 6);
+    assert_eq!(replies(&early).iter().map(|(_, r)| status_of(r)).collect::<Vec<_>>(), vec![409]);
+    let after = settle(&mut a, &mut m, completion, 7);
+    let sent = replies(&after);
+    assert_eq!(sent.len(), 1);
+    assert_eq!((sent[0].0, status_of(&sent[0].1)), (1, 201));
+    let (_, retry) = send(&mut b, 8, &post("k", "{}"), 8);
+    let retry = settle(&mut b, &mut m, retry, 8);
+    let replayed = replies(&retry);
+    assert!(matches!(&replayed[..], [(8, Reply::Stored { replayed: true, .. })]), "{replayed:?}");
+}
+
+/// Read your writes in router mode: the response's end is held until etcd has the
+/// completion, then resumed.
+#[test]
+fn a_router_answer_is_held_at_its_end_until_its_completion_is_stored() {
+    let mut m = Model::new();
+    let (mut a, mut b) = (replica(ETCD_ROUTER, 1), replica(ETCD_ROUTER, 2));
+    let (flow, effects) = send(&mut a, 1, &post("k", "{}"), 0);
+    assert_eq!(flow, Flow::Pause, "the claim goes to etcd first");
+    let effects = settle(&mut a, &mut m, effects, 0);
+    assert!(effects.contains(&Effect::Resume { stream: 1 }), "{effects:?}");
+    let response = FakeHost {
+        response: super::tests::headers(&[(":status", "201"), ("content-type", "text/plain")]),
+        response_body: b"made".to_vec(),
+        code_details: Some("via_upstream"),
+        ..FakeHost::default()
+    };
+    assert_eq!(a.on_response_headers(&at(&response, 3), 1, false), Flow::Continue);
+    assert_eq!(a.on_response_body(&at(&response, 4), 1, 4, true), Flow::Pause, "the end waits");
+    let effects = a.take_effects();
+    assert!(!effects.iter().any(|e| matches!(e, Effect::ResumeResponse { .. })));
+    let effects = settle(&mut a, &mut m, effects, 5);
+    assert!(effects.contains(&Effect::ResumeResponse { stream: 1 }), "{effects:?}");
+    let (_, retry) = send(&mut b, 9, &post("k", "{}"), 6);
+    let retry = settle(&mut b, &mut m, retry, 6);
+    assert!(matches!(&replies(&retry)[..], [(9, Reply::Stored { replayed: true, .. })]));
+}
+
+/// etcd does not acknowledge the completion: the answer still reaches its client (never
+/// lost) once the store gave up for now, counted; the completion is retried.
+#[test]
+fn an_unacknowledged_completion_does_not_hold_the_answer_for_ever() {
+    let mut m = Model::new();
+    let mut a = replica(ETCD, 1);
+    let (_, effects) = send(&mut a, 1, &post("k", "{}"), 0);
+    let calls = dispatched(&settle(&mut a, &mut m, effects, 0));
+    a.on_call_answer(&upstream_answer("201", "made"), calls[0].0, true, 4, 5);
+    let effects = a.take_effects();
+    for effect in effects {
+        if let Effect::Dispatch { call: call @ CallId::Store(_), .. } = effect {
+            deliver(&mut a, call, &crate::store::etcd::grpc::status_answer(4, "upstream request timeout"), 1_005);
+        }
+    }
+    let effects = a.take_effects();
+    assert_eq!(replies(&effects).iter().map(|(id, r)| (*id, status_of(r))).collect::<Vec<_>>(), vec![(1, 201)]);
+    assert_eq!(count(&effects, Counter::CompletionUnacknowledged), 1);
+    // The completion is sent again after the backoff, and lands.
+    let mut t = 1_100;
+    while m.requests.get("Txn").copied().unwrap_or(0) < 3 && t < 5_000 {
+        a.on_tick(t);
+        let e = a.take_effects();
+        settle(&mut a, &mut m, e, t);
+        t += 50;
+    }
+    let mut b = replica(ETCD, 2);
+    let (_, retry) = send(&mut b, 9, &post("k", "{}"), t);
+    let retry = settle(&mut b, &mut m, retry, t);
+    assert!(matches!(&replies(&retry)[..], [(9, Reply::Stored { replayed: true, .. })]), "{retry:?}");
+}
+
+/// A completion that cannot even be sent (etcd failing: the store backs off) holds the
+/// answer for `write_wait_ms` at most.
+#[test]
+fn a_held_answer_goes_after_write_wait_ms() {
+    let mut m = Model::new();
+    let mut a = replica(ETCD, 1);
+    let (_, effects) = send(&mut a, 1, &post("k", "{}"), 0);
+    let calls = dispatched(&settle(&mut a, &mut m, effects, 0));
+    a.on_call_answer(&upstream_answer("201", "made"), calls[0].0, true, 4, 5);
+    let pending = a.take_effects();
+    assert!(replies(&pending).is_empty());
+    // The completion's call is never answered (etcd hangs); the timer lets the answer go.
+    a.on_tick(1_000);
+    assert!(replies(&a.take_effects()).is_empty(), "within write_wait_ms (2 s) it waits");
+    a.on_tick(2_010);
+    let effects = a.take_effects();
+    assert_eq!(replies(&effects).iter().map(|(id, r)| (*id, status_of(r))).collect::<Vec<_>>(), vec![(1, 201)]);
+    assert_eq!(count(&effects, Counter::CompletionUnacknowledged), 1);
+}
