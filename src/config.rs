@@ -75,6 +75,9 @@ pub struct EtcdConfig {
     pub api: Api,
     pub timeout_ms: u64,
     pub on_unavailable: OnUnavailable,
+    /// Each Envoy keeps copies of the completed entries it has seen, in its shared data
+    /// (bounded by `capacity` and `max_store_bytes`), and replays them without a round trip.
+    pub local_replays: bool,
 }
 
 /// Which of etcd's two client APIs the store speaks; both are served on etcd's client port.
@@ -507,6 +510,7 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>) -> Result<StoreConfig, Co
     let mut clusters: Vec<String> = Vec::new();
     let mut authority = None;
     let mut api = Api::Grpc;
+    let mut local_replays = true;
     let mut timeout_ms = 1_000;
     let mut on_unavailable = OnUnavailable::Reject;
     for (name, v) in map {
@@ -516,6 +520,7 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>) -> Result<StoreConfig, Co
             "cluster" => clusters.extend(Some(string(&field, v)?.to_string()).filter(|c| !c.is_empty())),
             "clusters" => clusters.extend(cluster_names(&field, v)?),
             "authority" => authority = Some(string(&field, v)?.to_string()),
+            "local_replays" => local_replays = boolean(&field, v)?,
             "api" => {
                 api = match string(&field, v)? {
                     "grpc" => Api::Grpc,
@@ -544,7 +549,7 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>) -> Result<StoreConfig, Co
         let why = "only with api \"json\" and one cluster (gRPC calls carry the cluster's name)";
         return Err(err(&format!("{f}.authority"), why));
     }
-    Ok(StoreConfig::Etcd(EtcdConfig { clusters, authority, api, timeout_ms, on_unavailable }))
+    Ok(StoreConfig::Etcd(EtcdConfig { clusters, authority, api, timeout_ms, on_unavailable, local_replays }))
 }
 
 /// `clusters`: 1 to `MAX_ETCD_CLUSTERS` distinct, non-empty names.
@@ -826,7 +831,8 @@ mod tests {
                 authority: None,
                 api: Api::Grpc,
                 timeout_ms: 1000,
-                on_unavailable: OnUnavailable::Pass
+                on_unavailable: OnUnavailable::Pass,
+                local_replays: true,
             })
         );
         let c = parse(r#"{"store":{"kind":"etcd","clusters":["a","b"],"api":"json"}}"#).unwrap();

@@ -25,10 +25,11 @@ pub enum Counter {
     ScopeMissing,
     StoreNoSpace,
     CompletionUnacknowledged,
+    LocalReplay,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 21] = [
+    pub const ALL: [Counter; 22] = [
         Counter::Claimed,
         Counter::Replayed,
         Counter::Conflict,
@@ -50,6 +51,7 @@ impl Counter {
         Counter::ScopeMissing,
         Counter::StoreNoSpace,
         Counter::CompletionUnacknowledged,
+        Counter::LocalReplay,
     ];
 
     pub fn name(self) -> &'static str {
@@ -75,6 +77,7 @@ impl Counter {
             Counter::ScopeMissing => "idempotency.scope_missing",
             Counter::StoreNoSpace => "idempotency.store_no_space",
             Counter::CompletionUnacknowledged => "idempotency.completion_unacknowledged",
+            Counter::LocalReplay => "idempotency.local_replays",
         }
     }
 }

@@ -103,6 +103,39 @@ def test_read_your_writes_a_retry_right_after_the_answer_is_replayed_on_the_othe
         b.stop()
 
 
+@pytest.mark.parametrize("local_replays", [True, False])
+def test_replays_seen_before_need_no_round_trip_to_etcd(wasm, upstream, etcd, local_replays):
+    """Each Envoy keeps copies of the completed entries it has seen (store.local_replays):
+    the Envoy that completed a key replays it without asking etcd, the other asks once. A
+    copy is the caller's own: another caller's same key is not replayed from it."""
+    a, b = start_pair(upstream, etcd, store={"local_replays": local_replays})
+    try:
+        key = uuid.uuid4().hex
+        first = post(a, key)
+        assert first.status == 201
+        time.sleep(0.3)  # the completion's own answers are in
+        sent = {}
+        for name, envoy in (("a", a), ("b", b)):
+            before = envoy.stat("cluster.etcd.upstream_rq_total")
+            replays = [post(envoy, key) for _ in range(20)]
+            assert all(r.status == 201 and r.header("idempotent-replayed") == "true" for r in replays)
+            assert all(r.body == first.body for r in replays)
+            time.sleep(0.3)
+            sent[name] = envoy.stat("cluster.etcd.upstream_rq_total") - before
+        # Lease rotation may add a grant or two (one per 1.5 s and worker at lease_ms 3000).
+        if local_replays:
+            assert sent["a"] <= 2 and 1 <= sent["b"] <= 3, sent
+            assert b.stat("wasmcustom.idempotency.local_replays") >= 19
+        else:
+            assert sent["a"] >= 20 and sent["b"] >= 20, sent
+        other = post(b, key, extra={"Authorization": "Bearer someone-else"})
+        assert other.status == 201 and other.header("idempotent-replayed") is None
+        assert upstream.effects(key) == 2  # one per caller
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_500_keys_sent_4_times_to_both_envoys_give_500_effects(wasm, upstream, etcd):
     a, b = start_pair(upstream, etcd)
     try:

@@ -8,10 +8,14 @@ use super::hostcalls::{self, SharedData};
 use super::vm::{AnyLifecycle, Vm};
 use crate::config::{Config, Forward, StoreConfig};
 use crate::lifecycle::Lifecycle;
+use crate::store::etcd::replays::{LocalReplays, Replays};
+use crate::store::etcd::shards::Shards;
 use crate::store::etcd::{EtcdStore, Link};
 use crate::store::shared::SharedStore;
 use crate::store::Store;
 use crate::table::{Layout, Table};
+use std::cell::RefCell;
+use std::rc::Rc;
 
 /// A random number from the host's randomness (WASI).
 fn random() -> u64 {
@@ -64,10 +68,32 @@ fn lifecycle(config: Config) -> Result<AnyLifecycle, String> {
                 api: cfg.api,
                 timeout_ms: cfg.timeout_ms,
             };
-            let store =
-                |cluster| EtcdStore::new(link(cluster), &config.namespace, max_lease, retentions.clone(), random());
-            Box::new(store(cfg.clusters.first().ok_or("store.clusters: none")?))
+            let replays = match cfg.local_replays {
+                true => Some(local_replays(&config)?),
+                false => None,
+            };
+            let store = |cluster: &String| {
+                let store = EtcdStore::new(link(cluster), &config.namespace, max_lease, retentions.clone(), random());
+                match &replays {
+                    Some(r) => store.with_replays(r.clone()),
+                    None => store,
+                }
+            };
+            match cfg.clusters.as_slice() {
+                [one] => Box::new(store(one)),
+                many => Box::new(Shards::new(many.iter().map(|c| (c.clone(), store(c))).collect())),
+            }
         }
     };
     Ok(Lifecycle::new(config, store))
+}
+
+/// This Envoy's copies of the fleet's completed entries: a table of their own in shared data
+/// (`<namespace>.replays`), bounded by `capacity` and `max_store_bytes`.
+fn local_replays(config: &Config) -> Result<Rc<RefCell<dyn Replays>>, String> {
+    let layout = Layout::new(&format!("{}.replays", config.namespace), config.capacity, config.max_store_bytes);
+    let table = Table::new(SharedData, layout);
+    table.create().map_err(|e| format!("cannot create the local replay table in shared data: {e:?}"))?;
+    let from = (random() % u64::from(table.layout().buckets())) as u32;
+    Ok(Rc::new(RefCell::new(LocalReplays::new(table, from))))
 }

@@ -639,6 +639,63 @@ impl<S: SharedKv> Table<S> {
         Err(StoreError::Contention)
     }
 
+    /// A read-only look for the local cache of a fleet store: what a live completed entry of
+    /// the key says (`None`: no such entry here; anything else, in progress included, is
+    /// for the fleet store to decide).
+    pub fn lookup(&self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64) -> Result<Option<Begin>, StoreError> {
+        let (bucket_id, tag) = self.layout.locate(key);
+        let (bucket, _) = self.read_bucket(bucket_id)?;
+        for i in 0..ENTRIES {
+            let entry = bucket.entry(i)?;
+            if entry.key != tag || !entry.state.is_completed() || !entry.is_live(now_ms) {
+                continue;
+            }
+            return Ok(if entry.fingerprint != *fingerprint {
+                Some(Begin::Mismatch)
+            } else if entry.state == State::CompletedNoBody {
+                Some(Begin::CompletedWithoutBody)
+            } else {
+                // `None` if the entry changed hands between the two reads: ask the fleet.
+                self.read_response(slot_of(bucket_id, i), &entry)?.map(Begin::Replay)
+            });
+        }
+        Ok(None)
+    }
+
+    /// Keeps a completed entry learnt from the fleet store until its `deadline_ms`: claimed
+    /// and completed at once, making room as any completion does. A key already here, or a
+    /// bucket of nothing but marks, is left as it is.
+    pub fn keep(
+        &self,
+        key: &StoreKey,
+        fingerprint: &Fingerprint,
+        response: Option<&StoredResponse>,
+        deadline_ms: u64,
+        now_ms: u64,
+    ) -> Result<Change, StoreError> {
+        if deadline_ms <= now_ms {
+            return Ok(Change::default());
+        }
+        // Between the two writes the entry is a mark for a moment: lookups skip it, and it
+        // expires after a second if the completion never comes.
+        let Begin::Claimed { ticket, change: claimed, .. } = self.begin(key, fingerprint, now_ms, 1_000)? else {
+            return Ok(Change::default());
+        };
+        let mut copy = response.cloned();
+        let change = match self.complete(&ticket, copy.as_mut(), now_ms, deadline_ms - now_ms)? {
+            Completed::Stored(c) | Completed::WithoutBody(c) => c,
+            Completed::Lost => Change::default(),
+        };
+        Ok(Change {
+            in_progress: claimed.in_progress + change.in_progress,
+            completed: claimed.completed + change.completed,
+            bytes: claimed.bytes + change.bytes,
+            evicted: claimed.evicted + change.evicted,
+            youngest_evicted_ms: claimed.youngest_evicted_ms.or(change.youngest_evicted_ms),
+            expired_marks: claimed.expired_marks + change.expired_marks,
+        })
+    }
+
     /// Frees the expired entries of one bucket and the responses they held. Called a few
     /// buckets at a time from `on_tick`, so memory of expired entries is returned even when no
     /// new key lands in their bucket.

@@ -99,8 +99,10 @@ impl EtcdStore {
         let busy = late;
         let record = EtcdOwner {
             owner,
+            store_key: round.store_key,
             key: round.key.clone(),
             entry,
+            completed: None,
             mod_revision: revision,
             busy,
             ending: None,
@@ -180,6 +182,9 @@ impl EtcdStore {
             Ok(decoded) => decoded,
             Err(e) => return self.answer(round.who, Began::Failed(StoreError::Corrupt(e.0))),
         };
+        if entry.state.is_completed() && entry.is_live(now) {
+            self.keep_copy(&round.store_key, &entry, response.as_ref(), now);
+        }
         let began = match decide_entry(Some(&entry), &round.fingerprint, now) {
             Decision::Claim { .. } if writable => {
                 round.takeover = Some(kv.mod_revision);

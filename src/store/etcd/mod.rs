@@ -17,6 +17,8 @@ pub mod grpc;
 pub mod json;
 mod owners;
 pub mod protocol;
+pub mod replays;
+pub mod shards;
 
 #[cfg(test)]
 pub(crate) mod model;
@@ -26,13 +28,16 @@ mod tests;
 use std::collections::{HashSet, VecDeque};
 
 use crate::ids::IdMap;
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
 use crate::encoding::{Entry, KeyTag, StoredResponse};
 use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
 use crate::metrics::Counter;
 use protocol::{Api, Backoff, ErrorKind, EtcdError, Request, Target};
+use replays::Replays;
 
 /// Rounds of claim/takeover for one request before it is answered 503.
 const MAX_ROUNDS: u8 = 6;
@@ -44,6 +49,7 @@ const WAIT_POLL_MS: u64 = 100;
 /// One round of a request's claim (a first claim, or a takeover of an expired entry).
 struct Round {
     who: For,
+    store_key: StoreKey,
     key: Vec<u8>,
     tag: KeyTag,
     fingerprint: Fingerprint,
@@ -61,8 +67,11 @@ enum Ending {
 
 struct EtcdOwner {
     owner: Owner,
+    store_key: StoreKey,
     key: Vec<u8>,
     entry: Entry,
+    /// The completed entry as last sent (its deadline, for the local copy).
+    completed: Option<Entry>,
     mod_revision: i64,
     /// A write of it is in flight.
     busy: bool,
@@ -156,6 +165,8 @@ pub struct EtcdStore {
     next_call: u64,
     /// Randomness for owner tokens and jitter (splitmix64 over a seed from the host).
     random: u64,
+    /// This Envoy's copies of completed entries (`store.local_replays`).
+    replays: Option<Rc<RefCell<dyn Replays>>>,
 }
 
 impl EtcdStore {
@@ -186,6 +197,20 @@ impl EtcdStore {
             no_space_logged_ms: 0,
             next_call: 1,
             random: seed,
+            replays: None,
+        }
+    }
+
+    /// Replays completed entries seen before from `replays`, without a round trip.
+    pub fn with_replays(mut self, replays: Rc<RefCell<dyn Replays>>) -> EtcdStore {
+        self.replays = Some(replays);
+        self
+    }
+
+    /// Keeps a copy of a completed entry, if this store keeps copies.
+    fn keep_copy(&mut self, store_key: &StoreKey, entry: &Entry, response: Option<&StoredResponse>, now: u64) {
+        if let Some(replays) = &self.replays {
+            replays.borrow_mut().keep(store_key, &entry.fingerprint, response, entry.deadline_ms, now);
         }
     }
 
@@ -342,11 +367,18 @@ fn slack_s(retention_s: u64) -> u64 {
 
 impl Store for EtcdStore {
     fn begin(&mut self, who: For, claim: &Claim, now_ms: u64) -> Option<Answer> {
+        if let Some(began) =
+            self.replays.as_ref().and_then(|r| r.borrow().lookup(&claim.key, &claim.fingerprint, now_ms))
+        {
+            self.counts.push_back(Counter::LocalReplay);
+            return Some(Answer::Began(began));
+        }
         let mut tag = [0u8; 16];
         tag.copy_from_slice(claim.key.0.get(8..24).unwrap_or(&[0u8; 16]));
         let key = protocol::key_name(&self.namespace, &claim.key.0);
         let round = Round {
             who,
+            store_key: claim.key,
             key,
             tag,
             fingerprint: claim.fingerprint,
@@ -399,7 +431,8 @@ impl Store for EtcdStore {
             self.grant_vm_lease(now_ms);
         }
         self.pump(now_ms);
-        TickReport::default()
+        let change = self.replays.as_ref().map(|r| r.borrow_mut().tick(now_ms)).unwrap_or_default();
+        TickReport { change, effective_retention_ms: None }
     }
 
     fn poll_answer(&mut self) -> Option<(For, Answer)> {

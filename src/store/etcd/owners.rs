@@ -135,7 +135,12 @@ impl EtcdStore {
                 let bytes = response.as_ref().map_or(0, |r| r.stored_len() as u32);
                 let entry =
                     Entry { state, deadline_ms: now.saturating_add(*retention_ms), since_ms: now, bytes, ..o.entry };
-                Request::replace(&o.key, o.mod_revision, encode_entry(&entry, response.as_deref()), lease)
+                let request =
+                    Request::replace(&o.key, o.mod_revision, encode_entry(&entry, response.as_deref()), lease);
+                if let Some(o) = self.owners.get_mut(&id) {
+                    o.completed = Some(entry);
+                }
+                request
             }
             None => return,
         };
@@ -159,6 +164,11 @@ impl EtcdStore {
             }
             Ok(TxnResult { succeeded, .. }) => {
                 let Some(o) = self.owners.remove(&id) else { return };
+                if let (true, Some(entry), Some(Ending::Complete { response, .. })) =
+                    (succeeded, &o.completed, &o.ending)
+                {
+                    self.keep_copy(&o.store_key, entry, response.as_deref(), now);
+                }
                 let answer = match (o.ending, succeeded) {
                     (Some(Ending::Release), done) => Answer::Released { done, change: Change::default() },
                     (Some(Ending::Complete { response, .. }), true) => {

@@ -310,3 +310,109 @@ fn without_a_fresh_lease_no_mark_is_written() {
     // Claims stop once the first lease (granted at 0, TTL 20 s) would not outlive a mark.
     assert!((1..=9).contains(&claims), "{claims} claims sent");
 }
+
+fn with_copies(seed: u64) -> (EtcdStore, &'static crate::table::memory::MemoryKv) {
+    use crate::table::{Layout, Table};
+    let kv: &'static crate::table::memory::MemoryKv = Box::leak(Box::default());
+    let table = Table::new(kv, Layout::new("t.replays", 1024, 1 << 20));
+    table.create().unwrap();
+    let replays = std::rc::Rc::new(std::cell::RefCell::new(super::replays::LocalReplays::new(table, 0)));
+    (store(seed).with_replays(replays), kv)
+}
+
+/// A completed entry this Envoy has seen replays without a round trip, on the Envoy that
+/// completed it and on one that read it once; a 422 too; an entry in progress never does.
+#[test]
+fn completed_entries_seen_before_replay_without_a_round_trip() {
+    let mut m = Model::new();
+    let ((mut a, _), (mut b, _)) = (with_copies(1), with_copies(2));
+    let owner = claimed(&mut a, &mut m, "k", 0);
+    // In progress: B asks etcd every time, and is told so.
+    for t in [5, 6] {
+        b.begin(For::Stream(2), &claim("k"), t);
+        run(&mut b, &mut m, t);
+        assert!(matches!(began(&mut b), Began::InProgress));
+    }
+    a.complete(owner, Some(response("one")), RETENTION, 10);
+    run(&mut a, &mut m, 10);
+    completed(&mut a);
+    let txns = m.requests.get("Txn").copied();
+    match a.begin(For::Stream(3), &claim("k"), 20) {
+        Some(Answer::Began(Began::Replay(r))) => assert_eq!(r.body(), b"one"),
+        other => panic!("A answers from its copy at once: {other:?}"),
+    }
+    // B reads it from etcd once, then answers from its copy.
+    b.begin(For::Stream(4), &claim("k"), 30);
+    run(&mut b, &mut m, 30);
+    assert!(matches!(began(&mut b), Began::Replay(_)));
+    let other_body = Claim { fingerprint: Fingerprint([9; 16]), ..claim("k") };
+    assert!(matches!(b.begin(For::Stream(5), &claim("k"), 40), Some(Answer::Began(Began::Replay(_)))));
+    assert!(matches!(b.begin(For::Stream(6), &other_body, 41), Some(Answer::Began(Began::Mismatch))));
+    assert_eq!(m.requests.get("Txn").copied(), txns.map(|n| n + 1), "one round trip: B's first read");
+    let counts: Vec<Counter> = std::iter::from_fn(|| b.poll_count()).collect();
+    assert_eq!(counts, vec![Counter::LocalReplay, Counter::LocalReplay]);
+    // Past its retention the copy is gone: etcd decides (the key may be claimed anew).
+    let later = 10 + RETENTION + 1;
+    assert!(b.begin(For::Stream(7), &claim("k"), later).is_none(), "etcd is asked");
+}
+
+/// Keys spread over two etcd clusters: each key's requests go to one of them only, and a
+/// cluster that is down leaves the other's keys served.
+#[test]
+fn sharded_keys_live_on_one_cluster_each_and_survive_the_others_outage() {
+    use super::shards::Shards;
+    let link = |c: &str| Link { cluster: c.into(), authority: c.into(), api: Api::Grpc, timeout_ms: 1_000 };
+    let store = |c: &str, seed| EtcdStore::new(link(c), "t", LEASE, vec![RETENTION / 1000], seed);
+    let mut s = Shards::new(vec![("etcd_a".into(), store("etcd_a", 1)), ("etcd_b".into(), store("etcd_b", 2))]);
+    let mut models = [Model::new(), Model::new()];
+    let mut down_b = false;
+    let mut serve = |s: &mut Shards, models: &mut [Model; 2], down_b: bool, now| {
+        while let Some((n, request)) = s.poll_call() {
+            let i = usize::from(request.cluster == "etcd_b");
+            let answer = if down_b && i == 1 {
+                status_answer(14, "no healthy upstream")
+            } else {
+                models[i].handle(&request, now)
+            };
+            s.on_call_answer(n, &answer, now);
+        }
+    };
+    let mut owners = Vec::new();
+    for i in 0..40u32 {
+        s.begin(For::Stream(i), &claim(&format!("k{i}")), 0);
+        serve(&mut s, &mut models, down_b, 0);
+        let answers: Vec<_> = std::iter::from_fn(|| s.poll_answer()).collect();
+        match answers.as_slice() {
+            [(For::Stream(id), Answer::Began(Began::Claimed { owner, .. }))] if *id == i => owners.push(*owner),
+            other => panic!("{other:?}"),
+        }
+    }
+    let held = |m: &Model| m.keys().iter().filter(|k| k.starts_with(b"/t/")).count();
+    let (on_a, on_b) = (held(&models[0]), held(&models[1]));
+    assert_eq!(on_a + on_b, 40);
+    assert!((10..=30).contains(&on_a), "{on_a} on a, {on_b} on b");
+    // Owner ids map back to their shard: every completion lands.
+    for (i, owner) in owners.iter().enumerate() {
+        s.complete(*owner, Some(response(&format!("r{i}"))), RETENTION, 10);
+    }
+    serve(&mut s, &mut models, down_b, 10);
+    let done = std::iter::from_fn(|| s.poll_answer())
+        .filter(|(_, a)| matches!(a, Answer::Completed(Completed::Stored { .. })))
+        .count();
+    assert_eq!(done, 40);
+    down_b = true;
+    let mut replays = 0;
+    let mut unavailable = 0;
+    for i in 0..40u32 {
+        s.begin(For::Stream(100 + i), &claim(&format!("k{i}")), 20);
+        serve(&mut s, &mut models, down_b, 20);
+        for (_, a) in std::iter::from_fn(|| s.poll_answer()) {
+            match a {
+                Answer::Began(Began::Replay(_)) => replays += 1,
+                Answer::Began(Began::Unavailable) => unavailable += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert_eq!((replays, unavailable), (on_a, on_b));
+}
