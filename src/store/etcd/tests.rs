@@ -366,7 +366,7 @@ fn sharded_keys_live_on_one_cluster_each_and_survive_the_others_outage() {
     let mut s = Shards::new(vec![("etcd_a".into(), store("etcd_a", 1)), ("etcd_b".into(), store("etcd_b", 2))]);
     let mut models = [Model::new(), Model::new()];
     let mut down_b = false;
-    let mut serve = |s: &mut Shards, models: &mut [Model; 2], down_b: bool, now| {
+    let serve = |s: &mut Shards, models: &mut [Model; 2], down_b: bool, now| {
         while let Some((n, request)) = s.poll_call() {
             let i = usize::from(request.cluster == "etcd_b");
             let answer = if down_b && i == 1 {
