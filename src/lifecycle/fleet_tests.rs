@@ -106,6 +106,9 @@ fn a_router_answer_is_held_at_its_end_until_its_completion_is_stored() {
         ..FakeHost::default()
     };
     assert_eq!(a.on_response_headers(&at(&response, 3), 1, false), Flow::Continue);
+    // Every byte is held, not only the end: a client counting Content-Length has its
+    // answer once the last byte arrives, whether or not the end follows.
+    assert_eq!(a.on_response_body(&at(&response, 4), 1, 2, false), Flow::Pause, "the bytes wait");
     assert_eq!(a.on_response_body(&at(&response, 4), 1, 4, true), Flow::Pause, "the end waits");
     let effects = a.take_effects();
     assert!(!effects.iter().any(|e| matches!(e, Effect::ResumeResponse { .. })));
@@ -113,7 +116,9 @@ fn a_router_answer_is_held_at_its_end_until_its_completion_is_stored() {
     assert!(effects.contains(&Effect::ResumeResponse { stream: 1 }), "{effects:?}");
     let (_, retry) = send(&mut b, 9, &post("k", "{}"), 6);
     let retry = settle(&mut b, &mut m, retry, 6);
-    assert!(matches!(&replies(&retry)[..], [(9, Reply::Stored { replayed: true, .. })]));
+    let replayed = replies(&retry);
+    let [(9, Reply::Stored { replayed: true, response })] = &replayed[..] else { panic!("{replayed:?}") };
+    assert_eq!(response.body(), b"made", "the whole buffered body is stored");
 }
 
 /// etcd does not acknowledge the completion: the answer still reaches its client (never

@@ -17,6 +17,8 @@ pub(super) struct Capture {
     status: u16,
     headers: Headers,
     kept: Option<(Vec<u8>, Reservation)>,
+    /// The stored head's bytes, so a buffered body's size is the reservation's rest.
+    head: usize,
 }
 
 /// How a detached call ended. Envoy's own answers carry no `x-envoy-upstream-service-time`
@@ -283,7 +285,7 @@ impl<S: Store> Lifecycle<S> {
         let head = STORED_OVERHEAD + headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum::<usize>();
         let kept =
             (head <= p.max_response_bytes).then(|| self.buffered.reserve(head)).flatten().map(|r| (Vec::new(), r));
-        self.set_phase(id, Phase::Owner { owner: Some(owner), capture: Some(Capture { status, headers, kept }) });
+        self.set_phase(id, Phase::Owner { owner: Some(owner), capture: Some(Capture { status, headers, kept, head }) });
         if end_of_stream {
             return self.finish_capture(id, now);
         }
@@ -295,13 +297,29 @@ impl<S: Store> Lifecycle<S> {
             Some(s) => self.config.policy(s.policy).max_response_bytes,
             None => return Flow::Continue,
         };
+        let buffered = !self.store.answers_at_once();
         let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
         let Phase::Owner { capture: Some(c), .. } = &mut stream.phase else { return Flow::Continue };
+        let mut flow = Flow::Continue;
         if let Some((body, reservation)) = &mut c.kept {
-            // With Action::Continue each callback sees the current chunk: copy it as it
-            // passes, so storing never delays or buffers the response. Past the response
-            // limit or the worker's budget, stop copying: the answer passes on, unstored.
-            if reservation.bytes() + size <= max && reservation.grow(size) {
+            // Past the response limit or the worker's budget, stop keeping: the answer passes
+            // on, unstored (and whatever Envoy buffered goes with it).
+            if buffered {
+                // Read-your-writes holds every byte until the store acknowledged the
+                // completion: a client that counts Content-Length must not have the answer
+                // before its end (SPEC §3.4). Envoy buffers it; `size` is all so far.
+                let more = size.saturating_sub(reservation.bytes().saturating_sub(c.head));
+                if c.head + size <= max && reservation.grow(more) {
+                    flow = Flow::Pause;
+                    if end_of_stream {
+                        body.extend_from_slice(&host.response_body(size));
+                    }
+                } else {
+                    c.kept = None;
+                }
+            } else if reservation.bytes() + size <= max && reservation.grow(size) {
+                // Each callback sees the current chunk: copy it as it passes, so storing
+                // never delays or buffers the response.
                 body.extend_from_slice(&host.response_body(size));
             } else {
                 c.kept = None;
@@ -310,7 +328,7 @@ impl<S: Store> Lifecycle<S> {
         if end_of_stream {
             return self.finish_capture(id, host.now_ms());
         }
-        Flow::Continue
+        flow
     }
 
     /// The answer is all there: complete the key; with a store that answers later, hold the
