@@ -162,6 +162,9 @@ pub struct Config {
     /// the bodies of held duplicates.
     pub max_buffered_bytes: usize,
     pub store: StoreConfig,
+    /// The request header that carries a first call's fencing token upstream (SPEC §3.9);
+    /// the client's own value is removed from every request.
+    pub fencing_header: Option<String>,
     /// The policy of requests no rule matches.
     pub policy: Policy,
     pub rules: Vec<Rule>,
@@ -205,6 +208,7 @@ impl Default for Config {
             max_waiters: 1_024,
             max_buffered_bytes: 16 << 20,
             store: StoreConfig::SharedData,
+            fencing_header: None,
             policy: Policy::default(),
             rules: Vec::new(),
         }
@@ -271,6 +275,7 @@ impl Config {
                 "max_waiters" => c.max_waiters = int(f, v, 0, 1 << 20)? as usize,
                 "max_buffered_bytes" => c.max_buffered_bytes = int(f, v, 0, 1 << 30)? as usize,
                 "store" => c.store = store(f, v)?,
+                "fencing_header" => c.fencing_header = Some(header_name(f, v)?),
                 "routes" => rules = Some(v),
                 _ => {
                     if !c.policy.set(f, f, v)? {
@@ -292,6 +297,19 @@ impl Config {
     /// Checks the values that only make sense together (SPEC §3.8), and fits the default
     /// `max_response_bytes` to the store.
     fn finish(&mut self) -> Result<(), ConfigError> {
+        if let Some(name) = &self.fencing_header {
+            // The token replaces what the client sent: it must not be a header the plugin
+            // reads for itself, nor one Envoy owns.
+            let reads = |p: &Policy| {
+                *name == p.key_header || p.scope_headers.contains(name) || p.fingerprint_headers.contains(name)
+            };
+            if self.policies().any(reads)
+                || crate::lifecycle::is_hop_by_hop(name)
+                || ["host", "content-length"].contains(&name.as_str())
+            {
+                return Err(err("fencing_header", format!("{name:?} is a header the plugin or Envoy reads")));
+            }
+        }
         let (limit, limit_why) = match &self.store {
             StoreConfig::SharedData => {
                 let buckets = crate::table::Layout::buckets_for(self.capacity);

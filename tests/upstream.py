@@ -12,8 +12,12 @@ Request headers drive the answer:
   x-set-cookie: a,b  one `set-cookie` header per comma-separated value
   x-reset: 1         count the effect, then reset the connection without answering
   x-hold: NAME       count the effect, then wait (60 s at most) for POST /__release?hold=NAME
+  x-fence: N         a fencing token (SPEC §3.9): after any delay or hold, the effect commits
+                     only if N is at least the largest token committed for its key; else the
+                     answer is 409 {"fenced": N, "largest": M}. Counted: "committed", "fenced".
 
-Admin (never counted): GET /__effects -> {"effects", "resets", "log"}; POST /__reset;
+Admin (never counted): GET /__effects -> {"effects", "resets", "committed", "fenced", "log"};
+POST /__reset;
 POST /__release?hold=NAME lets the requests held under NAME (now and later) answer.
 
 Run: python3 tests/upstream.py --port N [--host 127.0.0.1]   (prints "READY <port>")
@@ -52,6 +56,9 @@ class EffectStore:
         with self.lock:
             self.effects = collections.Counter()
             self.resets = collections.Counter()
+            self.committed = collections.Counter()
+            self.fenced = collections.Counter()
+            self.largest_token = {}
             self.log = collections.deque(maxlen=LOG_LIMIT)
 
     def count_effect(self, key, method, path, status):
@@ -62,6 +69,22 @@ class EffectStore:
                      "t": time.time(), "method": method, "path": path, "outcome": "pending"}
             self.log.append(entry)
             return entry["effect"], entry
+
+    def commit(self, key, token, entry):
+        """An effect with a fencing token commits unless a larger token committed first, as
+        an upstream that remembers the largest token it acted on per key does."""
+        with self.lock:
+            largest = self.largest_token.get(key, -1)
+            if token < largest:
+                self.fenced[key] += 1
+                if entry is not None:
+                    entry["fence"] = token
+                return largest
+            self.largest_token[key] = token
+            self.committed[key] += 1
+            if entry is not None:
+                entry["fence"] = token
+            return None
 
     def current(self, key):
         with self.lock:
@@ -82,6 +105,7 @@ class EffectStore:
     def snapshot(self):
         with self.lock:
             return {"effects": dict(self.effects), "resets": dict(self.resets),
+                    "committed": dict(self.committed), "fenced": dict(self.fenced),
                     "log": [dict(e) for e in self.log]}
 
 
@@ -131,6 +155,13 @@ class Handler(BaseHTTPRequestHandler):
         hold = self.headers.get("x-hold")
         if hold:
             self.server.gate(hold).wait(HOLD_LIMIT_S)
+        token = self.headers.get("x-fence")
+        if token is not None and self.command != "GET":
+            largest = self.server.store.commit(key, int(token) if token.isdigit() else -1, entry)
+            if largest is not None:
+                self.send_json(409, {"fenced": token, "largest": largest})
+                self.server.store.finish(entry, "fenced")
+                return
         self.answer(key, effect, status, body, entry)
 
     def read_body(self):

@@ -159,13 +159,22 @@ impl<S: Store> Lifecycle<S> {
         if let Some(owner) = owner {
             self.holdings.insert(owner.id, Holding { owner, policy, renewed_ms: leased_ms });
         }
+        let fence = self.config.fencing_header.clone().map(|name| (name, owner.map(|o| o.fence.to_string())));
         match outbound {
-            Some(request) => {
+            Some(mut request) => {
+                if let Some((name, token)) = fence {
+                    // The client's value never goes on; the claim's token does (SPEC §3.9).
+                    request.headers.retain(|(n, _)| *n != name);
+                    request.headers.extend(token.map(|t| (name, t)));
+                }
                 self.outbox.push_back(Outgoing { stream: id, policy, owner, leased_ms, request });
                 self.set_phase(id, Phase::Detached);
                 Next::Hold
             }
             None => {
+                if let Some((name, Some(token))) = fence {
+                    self.effects.push(super::Effect::SetRequestHeader { stream: id, name, value: Some(token) });
+                }
                 self.set_phase(id, Phase::Owner { owner, capture: None });
                 Next::Router
             }

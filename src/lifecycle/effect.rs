@@ -36,6 +36,13 @@ pub enum Effect {
         stream: u32,
         reply: Reply,
     },
+    /// Set (`Some`) or remove (`None`) one of `stream`'s request headers before the request
+    /// goes on: the fencing token (SPEC §3.9).
+    SetRequestHeader {
+        stream: u32,
+        name: String,
+        value: Option<String>,
+    },
     /// Let `stream`'s paused request go on through Envoy's router.
     Resume {
         stream: u32,

@@ -10,7 +10,7 @@ use crate::store::etcd::protocol::Api;
 use crate::store::etcd::{EtcdStore, Link};
 use crate::store::CallAnswer;
 
-fn replica(config: &str, seed: u64) -> Lifecycle<EtcdStore> {
+pub(super) fn replica(config: &str, seed: u64) -> Lifecycle<EtcdStore> {
     let config = Config::parse(config.as_bytes()).unwrap();
     let link = Link { cluster: "etcd".into(), authority: "etcd".into(), api: Api::Grpc, timeout_ms: 1_000 };
     let max_lease = config.policies().map(|p| p.lease_ms).max().unwrap();
@@ -33,7 +33,7 @@ fn deliver(l: &mut Lifecycle<EtcdStore>, call: CallId, answer: &CallAnswer, now:
 
 /// Runs the root's events: every etcd call the lifecycle asks for is answered by `m`, until
 /// none is left; the other effects, in order.
-fn settle(l: &mut Lifecycle<EtcdStore>, m: &mut Model, mut effects: Vec<Effect>, now: u64) -> Vec<Effect> {
+pub(super) fn settle(l: &mut Lifecycle<EtcdStore>, m: &mut Model, mut effects: Vec<Effect>, now: u64) -> Vec<Effect> {
     let mut out = Vec::new();
     loop {
         if effects.contains(&Effect::WakeRoot) {
@@ -171,4 +171,34 @@ fn a_held_answer_goes_after_write_wait_ms() {
     let effects = a.take_effects();
     assert_eq!(replies(&effects).iter().map(|(id, r)| (*id, status_of(r))).collect::<Vec<_>>(), vec![(1, 201)]);
     assert_eq!(count(&effects, Counter::CompletionUnacknowledged), 1);
+}
+
+/// Defect (found by tests/test_fencing.py): a router owner that learnt it lost its key (taken
+/// over while it was paused) completes at once; the end must then go on by the callback's own
+/// `Continue`, never by a resume from inside that callback (Envoy crashed: SIGSEGV).
+#[test]
+fn a_router_owner_known_lost_lets_its_answer_go_without_a_resume() {
+    let mut m = Model::new();
+    let (mut a, mut b) = (replica(ETCD_ROUTER, 1), replica(ETCD_ROUTER, 2));
+    let (_, effects) = send(&mut a, 1, &post("k", "{}"), 0);
+    assert!(settle(&mut a, &mut m, effects, 0).contains(&Effect::Resume { stream: 1 }));
+    // A pauses past its lease; B takes the key over; A's next renewal learns it lost.
+    let (_, effects) = send(&mut b, 7, &post("k", "{}"), 10_000);
+    assert!(settle(&mut b, &mut m, effects, 10_000).contains(&Effect::Resume { stream: 7 }));
+    for t in [10_001, 12_600] {
+        a.on_tick(t); // the first rotates the VM's lease, the second renews: refused
+        let effects = a.take_effects();
+        settle(&mut a, &mut m, effects, t);
+    }
+    let response = FakeHost {
+        response: super::tests::headers(&[(":status", "201"), ("content-type", "text/plain")]),
+        response_body: b"late".to_vec(),
+        code_details: Some("via_upstream"),
+        ..FakeHost::default()
+    };
+    assert_eq!(a.on_response_headers(&at(&response, 13_400), 1, false), Flow::Continue);
+    assert_eq!(a.on_response_body(&at(&response, 13_400), 1, 4, true), Flow::Continue);
+    let effects = a.take_effects();
+    assert!(!effects.iter().any(|e| matches!(e, Effect::ResumeResponse { .. })), "{effects:?}");
+    assert_eq!(count(&effects, Counter::OwnerLost), 1, "{effects:?}");
 }

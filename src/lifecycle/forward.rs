@@ -172,7 +172,7 @@ impl<S: Store> Lifecycle<S> {
         now: u64,
     ) {
         if !self.store.answers_at_once() {
-            self.ends.insert(owner.id, HeldEnd { stream, since_ms: now, reply: Some(response.clone()) });
+            self.ends.insert(owner.id, HeldEnd { stream, since_ms: now, reply: Some(response.clone()), paused: false });
             self.complete(owner, Some(response), retention_ms, now);
             return;
         }
@@ -197,7 +197,7 @@ impl<S: Store> Lifecycle<S> {
             Some(response) => self.reply(end.stream, Reply::Stored { response, replayed: false }),
             // A stream Envoy has ended must not be resumed: its callbacks would reach a
             // context the SDK has dropped (SPEC §4).
-            None if self.streams.contains_key(&end.stream) => {
+            None if end.paused && self.streams.contains_key(&end.stream) => {
                 self.effects.push(Effect::ResumeResponse { stream: end.stream })
             }
             None => {}
@@ -350,13 +350,15 @@ impl<S: Store> Lifecycle<S> {
             self.complete(owner, response, retention_ms, now);
             return Flow::Continue;
         }
-        self.ends.insert(owner.id, HeldEnd { stream: id, since_ms: now, reply: None });
+        self.ends.insert(owner.id, HeldEnd { stream: id, since_ms: now, reply: None, paused: false });
         self.complete(owner, response, retention_ms, now);
-        // Answered at once after all (the owner was gone): nothing to wait for.
-        if self.ends.contains_key(&owner.id) {
-            Flow::Pause
-        } else {
-            Flow::Continue
+        match self.ends.get_mut(&owner.id) {
+            Some(end) => {
+                end.paused = true;
+                Flow::Pause
+            }
+            // Answered at once after all (the owner was gone): nothing to wait for.
+            None => Flow::Continue,
         }
     }
 }

@@ -12,6 +12,8 @@ mod timer;
 mod waiting;
 
 #[cfg(test)]
+mod fence_tests;
+#[cfg(test)]
 mod fleet_tests;
 #[cfg(test)]
 mod tests;
@@ -110,6 +112,10 @@ struct HeldEnd {
     since_ms: u64,
     /// Detached: the answer to send (`None`: router forwarding, the response is paused).
     reply: Option<Rc<crate::encoding::StoredResponse>>,
+    /// Router forwarding: the response callback has returned `Pause`. Until then, a store
+    /// that answers at once (an owner known lost) lets the callback return `Continue`: a
+    /// resume from inside the stream's own callback would continue it twice (Envoy crashes).
+    paused: bool,
 }
 
 struct Holding {
@@ -218,6 +224,9 @@ impl<S: Store> Lifecycle<S> {
     /// needs. The claim itself waits for the body (it is part of the fingerprint).
     pub fn on_request_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) -> Flow {
         let config = self.config.clone();
+        if let Some(name) = &config.fencing_header {
+            self.effects.push(Effect::SetRequestHeader { stream: id, name: name.clone(), value: None });
+        }
         let (policy, method) = request::policy_for(&config, host);
         let p = config.policy(policy);
         if !p.enabled || !p.methods.iter().any(|m| m.as_bytes() == method.as_slice()) {

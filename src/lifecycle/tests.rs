@@ -82,9 +82,9 @@ pub(super) fn post(key: &str, body: &str) -> FakeHost {
     FakeHost { request, body: body.as_bytes().to_vec(), ..FakeHost::default() }
 }
 
-type Shared = SharedStore<&'static MemoryKv>;
+pub(super) type Shared = SharedStore<&'static MemoryKv>;
 
-fn lifecycle(config: &str) -> Lifecycle<Shared> {
+pub(super) fn lifecycle(config: &str) -> Lifecycle<Shared> {
     let config = Config::parse(config.as_bytes()).unwrap();
     let kv: &'static MemoryKv = Box::leak(Box::new(MemoryKv::new()));
     let table = Table::new(kv, Layout::new(&config.namespace, config.capacity, config.max_store_bytes));

@@ -199,6 +199,11 @@ pub fn done() {
     let _ = hostcalls::done();
 }
 
+/// Sets (`Some`) or removes (`None`) a request header of the current stream.
+pub fn set_request_header(name: &str, value: Option<&str>) {
+    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
+}
+
 pub fn resume_request() -> bool {
     hostcalls::resume_http_request().is_ok()
 }

@@ -50,8 +50,9 @@ impl Vm {
             let out = f(&mut lifecycle);
             (out, lifecycle.take_effects())
         };
+        let mut on = Target { current, switched: false };
         for effect in effects {
-            self.carry_out(current, effect);
+            self.carry_out(&mut on, effect);
         }
         out
     }
@@ -70,20 +71,25 @@ impl Vm {
         self.grpc_calls.borrow_mut().remove(&token)
     }
 
-    fn carry_out(&self, current: Option<u32>, effect: Effect) {
+    fn carry_out(&self, on: &mut Target, effect: Effect) {
         match effect {
             Effect::Reply { stream, reply } => {
-                if current == Some(stream) || hostcalls::set_effective_context(stream) {
+                if on.stream(stream) {
                     send(&reply);
                 }
             }
+            Effect::SetRequestHeader { stream, name, value } => {
+                if on.stream(stream) {
+                    hostcalls::set_request_header(&name, value.as_deref());
+                }
+            }
             Effect::Resume { stream } => {
-                if hostcalls::set_effective_context(stream) {
+                if on.stream(stream) {
                     hostcalls::resume_request();
                 }
             }
             Effect::ResumeResponse { stream } => {
-                if hostcalls::set_effective_context(stream) {
+                if on.stream(stream) {
                     hostcalls::resume_response();
                 }
             }
@@ -134,6 +140,24 @@ impl Vm {
                 self.event(None, |lifecycle| lifecycle.on_call_failed(call, hostcalls::now_ms()));
             }
         }
+    }
+}
+
+/// Which stream the host's calls act on while effects run: the callback's own, until an
+/// effect for another stream switched the context.
+struct Target {
+    current: Option<u32>,
+    switched: bool,
+}
+
+impl Target {
+    /// Makes `stream` the context; `false` when it is gone.
+    fn stream(&mut self, stream: u32) -> bool {
+        if self.current == Some(stream) && !self.switched {
+            return true;
+        }
+        self.switched = self.current != Some(stream);
+        hostcalls::set_effective_context(stream)
     }
 }
 
