@@ -25,6 +25,7 @@ from e2e_util import (assert_replay_of, describe, is_replay, new_key, plugin_cou
                       problem)
 from harness import request, run_concurrently, wait_until, wasm_filter
 from jwt_util import jwt_authn_filter, make_jwt
+from pki_util import make_pki
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 BODY = b'{"amount":1}'
@@ -360,34 +361,6 @@ def envoy_config_patch(mutate):
         yield
     finally:
         harness.envoy_yaml = original
-
-
-def openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60,
-                   stdin=subprocess.DEVNULL)
-
-
-def make_pki(tmp):
-    """A CA, a server cert for 127.0.0.1 and two client certs (URI SANs spiffe://test/a, /b)."""
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-            "-keyout", "ca.key", "-out", "ca.crt", cwd=tmp)
-
-    def leaf(name, subject, san, usage):
-        with open(os.path.join(tmp, f"{name}.ext"), "w") as f:
-            f.write(f"subjectAltName={san}\nextendedKeyUsage={usage}\n"
-                    "basicConstraints=CA:FALSE\n")
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject,
-                "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=tmp)
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext",
-                "-out", f"{name}.crt", cwd=tmp)
-
-    leaf("server", "/CN=127.0.0.1", "IP:127.0.0.1,DNS:localhost", "serverAuth")
-    leaf("client_a", "/CN=client-a", "URI:spiffe://test/a", "clientAuth")
-    leaf("client_b", "/CN=client-b", "URI:spiffe://test/b", "clientAuth")
-    return {name: os.path.join(tmp, name) for name in
-            ("ca.crt", "server.crt", "server.key", "client_a.crt", "client_a.key",
-             "client_b.crt", "client_b.key")}
 
 
 def require_client_certs(pki):
