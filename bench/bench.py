@@ -12,7 +12,7 @@ Processes (all on 127.0.0.1, each stopped through its own PID):
       local  no plugin, direct_response (Envoy answers by itself)    -> C
       plugin the plugin, default config (forward "detached")         -> B1 B2 B3 B4
       router the plugin, forward "router"                            -> B2 router
-      etcd   the plugin, store etcd                                  -> B2 etcd
+      etcd   the plugin, store etcd (gRPC API, one local member)     -> B2 etcd, B3 etcd
       wasm_noop  the control filter "noop", route to the upstream    -> W0 (GET)
       wasm_local the control filter "local" (answers by itself)      -> W2
       wasm_buffer the control filter "buffer", route to the upstream -> W1 (POST)
@@ -48,7 +48,11 @@ Writes docs/bench/results.json, results.md and chart.svg; the last three lines p
 `FLOOR passthrough=<W0/A GET> first_call=<W3/A> first_call_router=<W1/A> local_answer=<W2/C>`,
 `VS_FLOOR passthrough=<B1/W0> first_call=<B2 detached/W3> first_call_router=<B2 router/W1>
 replay=<B3/W2> conflict=<B4/W2>` and, last,
-`RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`.
+`RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`;
+with etcd, after them, `FLEET first_call=<B2 etcd/B2 detached> replay=<B3 etcd/B3>` and
+`FLEET_COST` (etcd requests and etcd CPU µs per first call; `cpu_bound`: the FLEET first_call
+ratio that the machine's CPU allows at most, from every process's CPU per request on both
+paths; etcd requests per replay).
 """
 
 import argparse
@@ -135,7 +139,12 @@ CASES = [
      "script": "fixed", "expect": "replayed"},
     {"id": "B4", "label": "B4: plugin, conflict (409)", "listener": "plugin",
      "script": "fixed", "expect": "conflict"},
+    # Fleet mode's replay: the Envoy that completed the key replays it from its own copy
+    # (store.local_replays); against B3.
+    {"id": "B3_etcd", "label": "B3: plugin, replay, etcd store", "listener": "etcd",
+     "script": "fixed", "expect": "replayed"},
 ]
+ETCD_CASES = ("B2_etcd", "B3_etcd")
 
 
 def log(msg):
@@ -183,16 +192,20 @@ class EnvoyProc(Envoy):
         return sum(admin_stats(self.admin_port, regex, timeout=10).values())
 
     def cpu_s(self):
-        """CPU time (user + system) the process has used, in seconds."""
-        with open(f"/proc/{self.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_s(self.pid)
 
     def rss(self):
         return rss_bytes(self.pid)
 
     def log_tail(self, n=30):
         return "\n".join(self.log_text().splitlines()[-n:])
+
+
+def process_cpu_s(pid):
+    """CPU time (user + system) process `pid` has used, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def listener(name, port, routes, filters=()):
@@ -514,7 +527,7 @@ def main():
     cases = CASES
     etcd = None
     if args.no_etcd or not shutil.which("etcd"):
-        cases = [c for c in cases if c["id"] != "B2_etcd"]
+        cases = [c for c in cases if c["id"] not in ETCD_CASES]
     if args.cases:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c["id"] in wanted]
@@ -533,7 +546,7 @@ def main():
     procs = []
     slow = up = front = None
     try:
-        if any(c["id"] == "B2_etcd" for c in cases):
+        if any(c["id"] in ETCD_CASES for c in cases):
             from etcd_util import Etcd
             etcd = Etcd()
         slow = Upstream()
@@ -570,14 +583,8 @@ def main():
                     and r.header("x-envoy-upstream-service-time") is not None, (fam, r)
         for fam in [c["listener"] for c in cases if c["expect"] == "claimed"]:
             k = f"chk-{fam}-{nonce}"
+            # Read your writes, with etcd too: the retry right after the answer is a replay.
             first, again = post(ports[fam], k), post(ports[fam], k)
-            # With etcd the completion is written just after the answer: a retry within those
-            # milliseconds gets a retryable 409 (docs/limits.md). Ask again, briefly.
-            for _ in range(20):
-                if again.status != 409:
-                    break
-                time.sleep(0.05)
-                again = post(ports[fam], k)
             assert first.status == 201 and again.header("idempotent-replayed") == "true", \
                 (fam, first, again)
         replay_key = f"replay-{nonce}"
@@ -616,14 +623,20 @@ def main():
             before = front.counters()
             if case["expect"] == "local":
                 before["upstream_rq"] = front.cluster_requests()
-            cpu0 = (front.cpu_s(), up.cpu_s())
+            on_etcd = case["id"] in ETCD_CASES
+            etcd_rq0 = front.cluster_requests("etcd") if on_etcd else 0
+            cpu0 = (front.cpu_s(), up.cpu_s(), process_cpu_s(etcd.proc.pid) if on_etcd else 0)
             try:
                 r = run_wrk(port, case, args, duration, prefix=f"{case['id']}-{tag}-{nonce}",
                             key=key, cpus=args.cpus_wrk)
-                cpu1 = (front.cpu_s(), up.cpu_s())
+                cpu1 = (front.cpu_s(), up.cpu_s(), process_cpu_s(etcd.proc.pid) if on_etcd else 0)
                 # CPU per request: steadier than req/s on a shared machine.
-                r["envoy_cpu_us"] = (cpu1[0] - cpu0[0]) / max(r["requests"], 1) * 1e6
-                r["upstream_cpu_us"] = (cpu1[1] - cpu0[1]) / max(r["requests"], 1) * 1e6
+                n = max(r["requests"], 1)
+                r["envoy_cpu_us"] = (cpu1[0] - cpu0[0]) / n * 1e6
+                r["upstream_cpu_us"] = (cpu1[1] - cpu0[1]) / n * 1e6
+                if on_etcd:
+                    r["etcd_cpu_us"] = (cpu1[2] - cpu0[2]) / n * 1e6
+                    r["etcd_rq_per_req"] = (front.cluster_requests("etcd") - etcd_rq0) / n
                 time.sleep(0.2)  # let the last in-flight detached calls complete
                 after = front.counters()
                 if case["expect"] == "local":
@@ -692,6 +705,7 @@ def main():
     cpu_ratios = compute_cpu_ratios(summary)
     floor, vs_floor = compute_floor(summary, "rps")
     cpu_floor, cpu_vs_floor = compute_floor(summary, "envoy_cpu_us")
+    fleet = compute_fleet(summary)
     results = {
         "machine": info,
         "method": {
@@ -711,6 +725,7 @@ def main():
         "vs_floor": vs_floor,
         "cpu_floor": cpu_floor,
         "cpu_vs_floor": cpu_vs_floor,
+        "fleet": fleet,
         "memory": mem,
         "problems": problems,
         "elapsed_s": round(time.monotonic() - started, 1),
@@ -724,6 +739,10 @@ def main():
     log("FLOOR " + " ".join(f"{k}={v:.2f}" for k, v in floor.items()))
     log("VS_FLOOR " + " ".join(f"{k}={v:.2f}" for k, v in vs_floor.items()))
     log("RATIOS " + " ".join(f"{k}={v:.2f}" for k, v in ratios.items()))
+    if fleet:
+        log("FLEET " + " ".join(f"{k}={fleet[k]:.2f}" for k in ("first_call", "replay") if k in fleet))
+        log("FLEET_COST " + " ".join(f"{k}={v:.2f}" for k, v in fleet.items()
+                                     if k not in ("first_call", "replay")))
 
 
 def measure_memory(env, n, nonce, capacity):
@@ -796,6 +815,9 @@ def summarize(cases, runs):
             "p99_ms": round(median([r["p99_us"] for r in rs]) / 1000, 3),
             "envoy_cpu_us": round(median([r["envoy_cpu_us"] for r in rs]), 1),
             "upstream_cpu_us": round(median([r["upstream_cpu_us"] for r in rs]), 1),
+            **({"etcd_cpu_us": round(median([r["etcd_cpu_us"] for r in rs]), 1),
+                "etcd_rq_per_req": round(median([r["etcd_rq_per_req"] for r in rs]), 3)}
+               if rs and "etcd_cpu_us" in rs[0] else {}),
             "requests": sum(r["requests"] for r in rs),
             "status_errors": sum(r["status_errors"] for r in rs),
             "ok": all(not r["problems"] for r in rs),
@@ -820,6 +842,27 @@ def compute_cpu_ratios(summary):
         return cpu[a] / cpu[b] if cpu.get(a) and cpu.get(b) else float("nan")
     return {"passthrough": ratio("B1", "A_GET"), "first_call": ratio("B2_detached", "A"),
             "replay": ratio("B3", "C"), "conflict": ratio("B4", "C")}
+
+
+def compute_fleet(summary):
+    """Fleet mode against one Envoy (req/s, same run), what etcd costs, and the limit the
+    machine puts on it: with every core busy, first calls/s are at most cores / (CPU per
+    request of every process on the path), so etcd's CPU caps the ratio at `cpu_bound`."""
+    s = {x["id"]: x for x in summary}
+    if "B2_etcd" not in s or "B2_detached" not in s:
+        return {}
+    etcd, shared = s["B2_etcd"], s["B2_detached"]
+    out = {"first_call": etcd["rps"] / shared["rps"]}
+    if "B3_etcd" in s and "B3" in s:
+        out["replay"] = s["B3_etcd"]["rps"] / s["B3"]["rps"]
+    path = shared["envoy_cpu_us"] + shared["upstream_cpu_us"]
+    path_etcd = etcd["envoy_cpu_us"] + etcd["upstream_cpu_us"] + etcd["etcd_cpu_us"]
+    out.update({"etcd_rq_per_first_call": etcd["etcd_rq_per_req"],
+                "etcd_cpu_us_per_first_call": etcd["etcd_cpu_us"],
+                "cpu_bound": path / path_etcd if path_etcd else float("nan")})
+    if "B3_etcd" in s:
+        out["etcd_rq_per_replay"] = s["B3_etcd"]["etcd_rq_per_req"]
+    return out
 
 
 def compute_floor(summary, field):
@@ -942,6 +985,7 @@ def markdown(res):
         f"| conflict = B4/W2 | {vs_floor['conflict']:.2f} | {cpu_vs_floor['conflict']:.2f} | "
         "the plugin's 409 against a minimal local answer |",
         "",
+        *fleet_lines(res.get("fleet") or {}),
         "## Memory",
         "",
         f"Envoy RSS per stored entry with 1 KiB responses: **{mem['bytes_per_entry']:,} "
@@ -1007,6 +1051,27 @@ def markdown(res):
     if res["problems"]:
         lines += ["", "## Problems seen", ""] + [f"- {p}" for p in res["problems"]]
     return "\n".join(lines) + "\n"
+
+
+def fleet_lines(fleet):
+    if not fleet:
+        return []
+    return [
+        "## Fleet mode (etcd) against one Envoy (shared data)",
+        "",
+        "| ratio | value | what it is |",
+        "|---|---:|---|",
+        f"| first_call = B2 etcd/B2 detached | {fleet['first_call']:.2f} | req/s, same run |",
+        f"| replay = B3 etcd/B3 | {fleet.get('replay', float('nan')):.2f} | req/s, the "
+        "replaying Envoy's own copy |",
+        f"| etcd requests per first call | {fleet['etcd_rq_per_first_call']:.2f} | claim "
+        "and completion (and the VMs' lease grants) |",
+        f"| etcd CPU per first call | {fleet['etcd_cpu_us_per_first_call']:.0f} µs | "
+        "one local member |",
+        f"| cpu_bound | {fleet['cpu_bound']:.2f} | the first_call ratio this machine's "
+        "CPU allows at most: every process's CPU per request on both paths |",
+        "",
+    ]
 
 
 def svg_chart(summary, machine):

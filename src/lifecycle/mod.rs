@@ -380,6 +380,10 @@ impl<S: Store> Lifecycle<S> {
         while let Some(call) = self.store.poll_call() {
             self.store_calls.push_back(call);
         }
+        // The store's counts (a local replay's) go out now, not at the next tick.
+        while let Some(counter) = self.store.poll_count() {
+            self.count(counter);
+        }
         let work = !self.outbox.is_empty() || !self.store_calls.is_empty();
         if work && !self.wake_sent {
             self.wake_sent = true;
