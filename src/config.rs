@@ -127,6 +127,8 @@ pub struct Policy {
     pub on_conflict: OnConflict,
     pub wait_max_ms: u64,
     pub release_statuses: StatusSet,
+    /// gRPC calls: the `grpc-status` codes that release the key (bit n: code n).
+    pub release_grpc_statuses: u32,
     pub max_request_body_bytes: usize,
     /// The largest stored size (body, headers, 38 bytes) of a response that is stored.
     pub max_response_bytes: usize,
@@ -190,6 +192,9 @@ impl Default for Policy {
             on_conflict: OnConflict::Reject,
             wait_max_ms: 5_000,
             release_statuses: StatusSet { ranges: vec![(500, 599), (408, 408), (425, 425), (429, 429)] },
+            // The server-side failures (SPEC §3.10): UNKNOWN, DEADLINE_EXCEEDED,
+            // RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE, DATA_LOSS.
+            release_grpc_statuses: [2, 4, 8, 13, 14, 15].iter().fold(0, |set, code| set | 1 << code),
             max_request_body_bytes: 1 << 20,
             // What `Config::finish` fits to the default store: one bucket's share.
             max_response_bytes: 128 << 10,
@@ -471,6 +476,7 @@ impl Policy {
             }
             "wait_max_ms" => self.wait_max_ms = int(f, v, 1, MAX_MS)?,
             "release_statuses" => self.release_statuses = statuses(f, v)?,
+            "release_grpc_statuses" => self.release_grpc_statuses = grpc_statuses(f, v)?,
             "max_request_body_bytes" => self.max_request_body_bytes = int(f, v, 0, MAX_BODY)? as usize,
             "max_response_bytes" => self.max_response_bytes = int(f, v, 0, MAX_BODY)? as usize,
             "forward" => {
@@ -671,6 +677,23 @@ fn statuses(f: &str, v: &Value) -> Result<StatusSet, ConfigError> {
         ranges.push(range);
     }
     Ok(StatusSet { ranges })
+}
+
+/// gRPC status codes, by number (0-16) or name (`"UNAVAILABLE"`), as a set of bits.
+fn grpc_statuses(f: &str, v: &Value) -> Result<u32, ConfigError> {
+    let mut set = 0u32;
+    for (i, item) in array(f, v)?.iter().enumerate() {
+        let field = format!("{f}[{i}]");
+        let code = match item {
+            Value::Number(_) => int(&field, item, 0, 16)? as u32,
+            Value::String(s) => crate::grpc::NAMES.iter().position(|n| n.eq_ignore_ascii_case(s)).ok_or_else(|| {
+                err(&field, format!("expected a gRPC status code (0-16) or its name like \"UNAVAILABLE\", got {s:?}"))
+            })? as u32,
+            other => return Err(err(&field, format!("expected a gRPC status code (0-16) or its name, got {other}"))),
+        };
+        set |= 1 << code;
+    }
+    Ok(set)
 }
 
 fn namespace(f: &str, v: &Value) -> Result<String, ConfigError> {

@@ -15,6 +15,8 @@ pub trait Host {
     /// The current stream's buffered request body, up to `size` bytes.
     fn request_body(&self, size: usize) -> Vec<u8>;
     fn response_headers(&self) -> Headers;
+    /// The current stream's response trailers (a gRPC call's status).
+    fn response_trailers(&self) -> Headers;
     /// The current chunk of the current stream's response body.
     fn response_body(&self, size: usize) -> Vec<u8>;
     /// A property (`xds.cluster_name`, `response.code_details`, a JWT claim …).

@@ -3,7 +3,7 @@
 //! The core is plain Rust with no `proxy-wasm` import, tested natively: `lifecycle` (a
 //! request's life, events in, effects out) over `store` (shared data, etcd) and `host` (what it
 //! reads of Envoy); `table` (the table over shared data) and `encoding` (its values); `config`,
-//! `key`, `fingerprint`, `problem`, `metrics`, `budget`, `retention`. `plugin` is the thin
+//! `key`, `fingerprint`, `problem`, `grpc`, `metrics`, `budget`, `retention`. `plugin` is the thin
 //! proxy-wasm adapter, built for `wasm32-wasip1` only. See ARCHITECTURE.md.
 
 pub mod budget;
@@ -11,6 +11,7 @@ pub mod config;
 pub mod encoding;
 pub mod fingerprint;
 pub mod fuzzing;
+pub mod grpc;
 pub mod host;
 pub mod ids;
 pub mod key;

@@ -142,6 +142,15 @@ impl Problem {
         )
     }
 
+    /// The last part of its `type`: what happened, for the gRPC mapping.
+    pub fn slug(&self) -> &'static str {
+        self.slug
+    }
+
+    pub fn title(&self) -> &'static str {
+        self.title
+    }
+
     fn new(
         status: u16,
         slug: &'static str,

@@ -436,8 +436,8 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
                  route_timeout_s=15, extra_routes=None, cluster_name="upstream",
                  vm_id="idempotency", with_plugin=True, extra_clusters=None,
                  extra_filters=None, wasm=None, buffer_limit_bytes=None,
-                 allow_on_headers_stop_iteration=True, node=None):
-    """The bootstrap as a dict; see envoy_yaml."""
+                 allow_on_headers_stop_iteration=True, node=None, upstream_http2=False):
+    """The bootstrap as a dict; see envoy_yaml (`upstream_http2`: a gRPC upstream)."""
     filters = []
     if with_plugin and plugin_config is not None:
         filters.append(wasm_filter(plugin_config, vm_id=vm_id, wasm=wasm,
@@ -464,7 +464,7 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
     }
     if buffer_limit_bytes is not None:
         listener["per_connection_buffer_limit_bytes"] = buffer_limit_bytes
-    clusters = [static_cluster(cluster_name, upstream_port)] + list(extra_clusters or [])
+    clusters = [static_cluster(cluster_name, upstream_port, http2=upstream_http2)] + list(extra_clusters or [])
     return {
         "admin": {"address": {"socket_address": {"address": LOCALHOST,
                                                  "port_value": admin_port}}},

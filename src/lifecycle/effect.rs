@@ -26,6 +26,8 @@ pub enum Reply {
         response: Rc<StoredResponse>,
         replayed: bool,
     },
+    /// A trailers-only gRPC answer to a gRPC call (SPEC §3.10).
+    Grpc(crate::grpc::GrpcAnswer),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,6 +6,7 @@ use std::rc::Rc;
 use super::{CallId, Effect, HeldEnd, Lifecycle, Outgoing, Phase, Reply, Upstream};
 use crate::budget::Reservation;
 use crate::encoding::{StoredResponse, STORED_OVERHEAD};
+use crate::grpc;
 use crate::host::{Flow, Headers, Host};
 use crate::metrics::Counter;
 use crate::problem::Problem;
@@ -252,15 +253,50 @@ impl<S: Store> Lifecycle<S> {
     }
 
     pub fn on_response_trailers(&mut self, host: &dyn Host, id: u32) -> Flow {
-        let flow = if self.streams.contains_key(&id) { self.finish_capture(id, host.now_ms()) } else { Flow::Continue };
+        let flow = match self.streams.get(&id) {
+            Some(s) if s.grpc => self.grpc_trailers(host, id),
+            Some(_) => self.finish_capture(id, host.now_ms()),
+            None => Flow::Continue,
+        };
         self.after_stream_event();
         flow
+    }
+
+    /// A gRPC call's end: its status is in the trailers (SPEC §3.10). A server-side failure
+    /// releases the key; a failure the client caused is stored with its trailers, to replay
+    /// as the same status; a result with messages completes the key without its response,
+    /// which a local reply could not replay.
+    fn grpc_trailers(&mut self, host: &dyn Host, id: u32) -> Flow {
+        let now = host.now_ms();
+        let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
+        let release = self.config.policy(stream.policy).release_grpc_statuses;
+        let Phase::Owner { owner: Some(owner), capture: Some(c) } = &mut stream.phase else { return Flow::Continue };
+        let owner = *owner;
+        let trailers = host.response_trailers();
+        let code = grpc::status_of(trailers.iter().map(|(n, v)| (n.as_str(), v.as_slice()))).unwrap_or(2);
+        if release & (1 << code.min(31)) != 0 {
+            self.set_phase(id, Phase::Pass);
+            self.release(owner, now);
+            return Flow::Continue;
+        }
+        match &mut c.kept {
+            Some((body, reservation)) if code != grpc::OK && body.is_empty() => {
+                let more: usize = trailers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
+                if reservation.grow(more) {
+                    c.headers.extend(trailers.into_iter().filter(|(n, _)| !is_hop_by_hop(n)));
+                } else {
+                    c.kept = None;
+                }
+            }
+            _ => c.kept = None,
+        }
+        self.finish_capture(id, now)
     }
 
     fn response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) -> Flow {
         let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
         let Phase::Owner { owner, capture: None } = stream.phase else { return Flow::Continue };
-        let policy = stream.policy;
+        let (policy, grpc_call) = (stream.policy, stream.grpc);
         let Some(owner) = owner else {
             stream.phase = Phase::Pass; // forwarded without a claim
             return Flow::Continue;
@@ -273,7 +309,12 @@ impl<S: Store> Lifecycle<S> {
         let via_upstream = host.property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");
         let p = self.config.clone();
         let p = p.policy(policy);
-        if !via_upstream || p.release_statuses.contains(status) {
+        // A gRPC answer without messages (trailers-only) has its status in the headers.
+        let grpc_failed = grpc_call
+            && end_of_stream
+            && grpc::status_of(headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())))
+                .is_some_and(|code| p.release_grpc_statuses & (1 << code.min(31)) != 0);
+        if !via_upstream || p.release_statuses.contains(status) || grpc_failed {
             if !via_upstream {
                 self.count(Counter::UpstreamFailed);
             }
@@ -299,7 +340,11 @@ impl<S: Store> Lifecycle<S> {
         };
         let buffered = !self.store.answers_at_once();
         let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
+        let grpc = stream.grpc;
         let Phase::Owner { capture: Some(c), .. } = &mut stream.phase else { return Flow::Continue };
+        if grpc && size > 0 {
+            c.kept = None; // a gRPC result with messages is not stored (see grpc_trailers)
+        }
         let mut flow = Flow::Continue;
         if let Some((body, reservation)) = &mut c.kept {
             // Past the response limit or the worker's budget, stop keeping: the answer passes

@@ -16,6 +16,8 @@ mod fence_tests;
 #[cfg(test)]
 mod fleet_tests;
 #[cfg(test)]
+mod grpc_tests;
+#[cfg(test)]
 mod tests;
 
 pub use effect::{CallId, Effect, Reply};
@@ -73,6 +75,8 @@ pub struct Lifecycle<S> {
 struct Stream {
     policy: usize,
     phase: Phase,
+    /// A gRPC call: the plugin's answers are gRPC's (SPEC §3.10).
+    grpc: bool,
 }
 
 enum Phase {
@@ -232,11 +236,12 @@ impl<S: Store> Lifecycle<S> {
         if !p.enabled || !p.methods.iter().any(|m| m.as_bytes() == method.as_slice()) {
             return Flow::Continue;
         }
-        let flow = match request::read_headers(&config, p, &method, host) {
+        let (covered, grpc) = request::read_headers(&config, p, &method, host);
+        let flow = match covered {
             Covered::No => Flow::Continue,
             Covered::Refused(problem, counter) => {
                 self.count(counter);
-                self.streams.insert(id, Stream { policy, phase: Phase::Pass });
+                self.streams.insert(id, Stream { policy, phase: Phase::Pass, grpc });
                 self.reply(id, Reply::Problem(problem));
                 Flow::Pause
             }
@@ -252,7 +257,7 @@ impl<S: Store> Lifecycle<S> {
                 // The clock is a host call: read it here only when this event claims, or
                 // while the body-delivery check still needs the request's arrival.
                 let now = if end_of_stream || !self.body_seen { host.now_ms() } else { 0 };
-                self.streams.insert(id, Stream { policy, phase: Phase::ReadingBody { pending, since_ms: now } });
+                self.streams.insert(id, Stream { policy, phase: Phase::ReadingBody { pending, since_ms: now }, grpc });
                 if end_of_stream {
                     self.claim(host, id, Vec::new(), now)
                 } else {
@@ -346,10 +351,18 @@ impl<S: Store> Lifecycle<S> {
     /// Answers `id` locally, if its stream is still open (SPEC §4: a reply to a stream Envoy
     /// has reset would re-enter a context the SDK has dropped).
     fn reply(&mut self, id: u32, reply: Reply) {
-        if self.streams.contains_key(&id) {
-            self.set_phase(id, Phase::Replied);
-            self.effects.push(Effect::Reply { stream: id, reply });
-        }
+        let Some(stream) = self.streams.get(&id) else { return };
+        let reply = match reply {
+            Reply::Problem(p) if stream.grpc => Reply::Grpc(crate::grpc::GrpcAnswer::for_problem(&p)),
+            // A local reply to a gRPC call cannot carry messages and trailers: a failed call
+            // replays as its status; a result with messages cannot be replayed (limits.md).
+            Reply::Stored { response, replayed: true } if stream.grpc => Reply::Grpc(
+                crate::grpc::GrpcAnswer::replay_of(&response).unwrap_or_else(crate::grpc::GrpcAnswer::not_replayable),
+            ),
+            other => other,
+        };
+        self.set_phase(id, Phase::Replied);
+        self.effects.push(Effect::Reply { stream: id, reply });
     }
 
     /// Moves a stream to `phase`, keeping the count of held requests.

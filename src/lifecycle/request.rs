@@ -43,8 +43,14 @@ pub fn policy_for(config: &Config, host: &dyn Host) -> (usize, Vec<u8>) {
 }
 
 /// Reads a covered method's headers: the key, the scope, the fingerprint's start.
-pub fn read_headers(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host) -> Covered {
+/// What the request's headers make of it, and whether it is a gRPC call (SPEC §3.10).
+pub fn read_headers(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host) -> (Covered, bool) {
     let headers = host.request_headers();
+    let grpc = crate::grpc::is_grpc(headers.iter().find(|(n, _)| n == "content-type").map(|(_, v)| v.as_slice()));
+    (covered(config, policy, method, host, headers, grpc), grpc)
+}
+
+fn covered(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host, headers: Headers, grpc: bool) -> Covered {
     let value_of = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
     let mut keys = headers.iter().filter(|(n, _)| *n == policy.key_header);
     let raw_key = match (keys.next(), keys.next()) {
@@ -78,7 +84,9 @@ pub fn read_headers(config: &Config, policy: &Policy, method: &[u8], host: &dyn 
     for name in &policy.fingerprint_headers {
         fingerprint.header(name, headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()));
     }
-    let headers = (policy.forward == Forward::Detached).then_some(headers);
+    // A detached call's answer loses its trailers, where gRPC puts its status: gRPC calls
+    // go through the router.
+    let headers = (policy.forward == Forward::Detached && !grpc).then_some(headers);
     Covered::Yes(Box::new(Pending { key, fingerprint, headers, scope_shared }))
 }
 

@@ -17,6 +17,7 @@ pub(super) struct FakeHost {
     pub(super) body: Vec<u8>,
     pub(super) response: Headers,
     pub(super) response_body: Vec<u8>,
+    pub(super) response_trailers: Headers,
     pub(super) code_details: Option<&'static str>,
     pub(super) call_headers: Headers,
     pub(super) call_body: Vec<u8>,
@@ -44,6 +45,9 @@ impl Host for FakeHost {
     }
     fn response_body(&self, size: usize) -> Vec<u8> {
         self.response_body.iter().take(size).copied().collect()
+    }
+    fn response_trailers(&self) -> Headers {
+        self.response_trailers.clone()
     }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         match path {
@@ -159,6 +163,7 @@ pub(super) fn status_of(reply: &Reply) -> u16 {
     match reply {
         Reply::Problem(p) => p.status,
         Reply::Stored { response, .. } => response.status(),
+        Reply::Grpc(_) => 200,
     }
 }
 
@@ -166,6 +171,7 @@ pub(super) fn body_of(reply: &Reply) -> Vec<u8> {
     match reply {
         Reply::Problem(p) => p.body(),
         Reply::Stored { response, .. } => response.body().to_vec(),
+        Reply::Grpc(a) => a.message.as_bytes().to_vec(),
     }
 }
 

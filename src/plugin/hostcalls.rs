@@ -130,6 +130,22 @@ pub fn send_response<N: AsRef<[u8]>, V: AsRef<[u8]>>(status: u16, headers: &[(N,
     }
 }
 
+/// Sends a trailers-only gRPC answer on the current stream: HTTP 200, `grpc-status` `code`,
+/// `grpc-message` `message` (Envoy encodes it), and `metadata` with it.
+pub fn send_grpc<N: AsRef<[u8]>, V: AsRef<[u8]>>(code: u32, message: &str, metadata: &[(N, V)]) -> Result<(), u32> {
+    let map = serialize_map(metadata);
+    let code = i32::try_from(code).unwrap_or(2);
+    // SAFETY: pointers and sizes describe live buffers.
+    let status = unsafe {
+        raw_send_local_response(200, null(), 0, message.as_ptr(), message.len(), map.as_ptr(), map.len(), code)
+    };
+    if status == OK {
+        Ok(())
+    } else {
+        Err(status)
+    }
+}
+
 /// What the lifecycle reads from Envoy, for the context the current callback is for.
 pub struct HostCalls;
 
@@ -152,6 +168,10 @@ impl Host for HostCalls {
 
     fn response_headers(&self) -> Headers {
         hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default()
+    }
+
+    fn response_trailers(&self) -> Headers {
+        hostcalls::get_map_bytes(MapType::HttpResponseTrailers).unwrap_or_default()
     }
 
     fn response_body(&self, size: usize) -> Vec<u8> {

@@ -172,6 +172,7 @@ fn send(reply: &Reply) {
             }
             hostcalls::send_response(response.status(), &headers, response.body())
         }
+        Reply::Grpc(answer) => hostcalls::send_grpc(answer.code, &answer.message, &answer.metadata),
     };
     if let Err(status) = sent {
         log::warn!("local reply failed with status {status}");

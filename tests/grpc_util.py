@@ -1,0 +1,63 @@
+"""A gRPC upstream (grpcio) that counts effects per idempotency key, and a raw-bytes client.
+
+The service is `idem.Test/Pay`, messages are raw bytes (no protobuf schema needed). Request
+metadata drives the answer, as tests/upstream.py's headers do:
+  x-delay-ms: N        sleep N ms before answering (the effect is counted at arrival)
+  x-grpc-status: N     fail with status N (`x-grpc-message` its text), with trailing
+                       metadata x-cost: 7
+"""
+
+import collections
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+SERVICE, METHOD = "idem.Test", "Pay"
+
+
+class GrpcUpstream:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.effects = collections.Counter()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        handler = grpc.unary_unary_rpc_method_handler(self._pay)
+        self.server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler})])
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def _pay(self, request, context):
+        meta = dict(context.invocation_metadata())
+        key = meta.get("idempotency-key", "")
+        with self.lock:
+            self.effects[key] += 1
+            n = self.effects[key]
+        time.sleep(int(meta.get("x-delay-ms", "0")) / 1000)
+        status = meta.get("x-grpc-status")
+        if status:
+            context.set_trailing_metadata([("x-cost", "7")])
+            code = next(c for c in grpc.StatusCode if c.value[0] == int(status))
+            context.abort(code, meta.get("x-grpc-message", "failed"))
+        return f"paid {key} #{n} for {request!r}".encode()
+
+    def effects_of(self, key):
+        with self.lock:
+            return self.effects[key]
+
+    def stop(self):
+        self.server.stop(0)
+
+
+def pay(port, key, body=b"amount=10", timeout=10, **metadata):
+    """One call through `port`; returns (code, message or details, initial, trailing)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(f"/{SERVICE}/{METHOD}")
+        md = [("idempotency-key", key), ("authorization", "Bearer alice")]
+        md += [(k.replace("_", "-"), str(v)) for k, v in metadata.items()]
+        try:
+            response, c = call.with_call(body, metadata=md, timeout=timeout)
+            return grpc.StatusCode.OK, response, dict(c.initial_metadata()), dict(c.trailing_metadata())
+        except grpc.RpcError as e:
+            return e.code(), e.details(), dict(e.initial_metadata() or ()), dict(e.trailing_metadata() or ())
