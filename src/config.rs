@@ -167,6 +167,9 @@ pub struct Config {
     /// The request header that carries a first call's fencing token upstream (SPEC §3.9);
     /// the client's own value is removed from every request.
     pub fencing_header: Option<String>,
+    /// gRPC results with messages replay through the replay loopback (`"loopback"`): a route
+    /// for `grpc::REPLAY_PATH` to a listener that answers by itself (SPEC §3.10).
+    pub grpc_replay_loopback: bool,
     /// The policy of requests no rule matches.
     pub policy: Policy,
     pub rules: Vec<Rule>,
@@ -214,6 +217,7 @@ impl Default for Config {
             max_buffered_bytes: 16 << 20,
             store: StoreConfig::SharedData,
             fencing_header: None,
+            grpc_replay_loopback: false,
             policy: Policy::default(),
             rules: Vec::new(),
         }
@@ -281,6 +285,13 @@ impl Config {
                 "max_buffered_bytes" => c.max_buffered_bytes = int(f, v, 0, 1 << 30)? as usize,
                 "store" => c.store = store(f, v)?,
                 "fencing_header" => c.fencing_header = Some(header_name(f, v)?),
+                "grpc_replays" => {
+                    c.grpc_replay_loopback = match string(f, v)? {
+                        "loopback" => true,
+                        "off" => false,
+                        other => return Err(err(f, format!("expected \"loopback\" or \"off\", got {other:?}"))),
+                    }
+                }
                 "routes" => rules = Some(v),
                 _ => {
                     if !c.policy.set(f, f, v)? {

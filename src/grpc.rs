@@ -20,6 +20,15 @@ pub const INTERNAL: u32 = 13;
 pub const UNAVAILABLE: u32 = 14;
 pub const UNAUTHENTICATED: u32 = 16;
 
+/// Stored responses keep a gRPC call's trailers among their headers, under this prefix (no
+/// response header starts with `:` but `:status`).
+pub const TRAILER: &str = ":t:";
+
+/// The path a gRPC replay with messages takes: the route for it must lead to the replay
+/// loopback (`grpc_replays: "loopback"`, docs/configuration.md). Should it reach a gRPC
+/// server instead, no method of that name runs: it answers UNIMPLEMENTED.
+pub const REPLAY_PATH: &str = "/__idempotency/replay";
+
 /// The gRPC status codes by name (`release_grpc_statuses` takes names or numbers).
 pub const NAMES: [&str; 17] = [
     "OK",
@@ -84,13 +93,14 @@ impl GrpcAnswer {
     /// the same status, message and trailing metadata, as trailers-only. `None` for a result
     /// with messages, which a local reply cannot carry (docs/limits.md).
     pub fn replay_of(response: &StoredResponse) -> Option<GrpcAnswer> {
-        let code = status_of(response.headers())?;
+        let code = status_of(response.headers().map(|(n, v)| (n.strip_prefix(TRAILER).unwrap_or(n), v)))?;
         if code == OK || !response.body().is_empty() {
             return None;
         }
         let mut message = String::new();
         let mut metadata = Vec::new();
         for (name, value) in response.headers() {
+            let name = name.strip_prefix(TRAILER).unwrap_or(name);
             match name {
                 "grpc-status" | "content-type" | "content-length" | "date" | "server" => {}
                 _ if name.starts_with(':') || name.starts_with("x-envoy-") => {}
@@ -110,6 +120,22 @@ impl GrpcAnswer {
             metadata: vec![("idempotent-replayed".to_string(), b"true".to_vec())],
         }
     }
+}
+
+/// A stored result with messages, replayed through the loopback: the headers that replace
+/// the loopback's, and the trailers that follow the messages.
+pub fn replay_parts(response: &StoredResponse) -> (Vec<(String, Vec<u8>)>, Vec<(String, Vec<u8>)>) {
+    let mut headers = vec![(":status".to_string(), b"200".to_vec())];
+    let mut trailers = Vec::new();
+    for (name, value) in response.headers() {
+        match name.strip_prefix(TRAILER) {
+            Some(trailer) => trailers.push((trailer.to_string(), value.to_vec())),
+            None if name.starts_with(':') || name == "content-length" || name.starts_with("x-envoy-") => {}
+            None => headers.push((name.to_string(), value.to_vec())),
+        }
+    }
+    headers.push(("idempotent-replayed".to_string(), b"true".to_vec()));
+    (headers, trailers)
 }
 
 /// `grpc-message` is percent-encoded on the wire; the local reply API encodes it again.
@@ -223,17 +249,24 @@ mod tests {
         let headers: Vec<(&str, &[u8])> = vec![
             (":status", b"200"),
             ("content-type", b"application/grpc"),
-            ("grpc-status", b"5"),
-            ("grpc-message", b"no%20such%20account"),
-            ("grpc-status-details-bin", b"CAU"),
-            ("x-trailer", b"t"),
+            (":t:grpc-status", b"5"),
+            (":t:grpc-message", b"no%20such%20account"),
+            (":t:grpc-status-details-bin", b"CAU"),
+            (":t:x-trailer", b"t"),
         ];
         let stored = StoredResponse::new(200, headers.clone(), Vec::new());
         let a = GrpcAnswer::replay_of(&stored).unwrap();
         assert_eq!((a.code, a.message.as_str()), (5, "no such account"));
         let names: Vec<&str> = a.metadata.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["grpc-status-details-bin", "x-trailer", "idempotent-replayed"]);
-        let ok: Vec<(&str, &[u8])> = vec![("grpc-status", b"0")];
-        assert_eq!(GrpcAnswer::replay_of(&StoredResponse::new(200, ok, b"msg".to_vec())), None);
+        let ok: Vec<(&str, &[u8])> = vec![("content-type", b"application/grpc"), (":t:grpc-status", b"0")];
+        let ok = StoredResponse::new(200, ok, b"msg".to_vec());
+        assert_eq!(GrpcAnswer::replay_of(&ok), None);
+        let (headers, trailers) = replay_parts(&ok);
+        assert_eq!(
+            headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+            [":status", "content-type", "idempotent-replayed"]
+        );
+        assert_eq!(trailers, vec![("grpc-status".to_string(), b"0".to_vec())]);
     }
 }

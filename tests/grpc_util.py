@@ -3,8 +3,8 @@
 The service is `idem.Test/Pay`, messages are raw bytes (no protobuf schema needed). Request
 metadata drives the answer, as tests/upstream.py's headers do:
   x-delay-ms: N        sleep N ms before answering (the effect is counted at arrival)
-  x-grpc-status: N     fail with status N (`x-grpc-message` its text), with trailing
-                       metadata x-cost: 7
+  x-grpc-status: N     fail with status N (`x-grpc-message` its text)
+Every answer carries the trailing metadata x-cost: 7.
 """
 
 import collections
@@ -35,9 +35,9 @@ class GrpcUpstream:
             self.effects[key] += 1
             n = self.effects[key]
         time.sleep(int(meta.get("x-delay-ms", "0")) / 1000)
+        context.set_trailing_metadata([("x-cost", "7")])
         status = meta.get("x-grpc-status")
         if status:
-            context.set_trailing_metadata([("x-cost", "7")])
             code = next(c for c in grpc.StatusCode if c.value[0] == int(status))
             context.abort(code, meta.get("x-grpc-message", "failed"))
         return f"paid {key} #{n} for {request!r}".encode()
@@ -61,3 +61,33 @@ def pay(port, key, body=b"amount=10", timeout=10, **metadata):
             return grpc.StatusCode.OK, response, dict(c.initial_metadata()), dict(c.trailing_metadata())
         except grpc.RpcError as e:
             return e.code(), e.details(), dict(e.initial_metadata() or ()), dict(e.trailing_metadata() or ())
+
+
+def with_replay_loopback(bootstrap):
+    """Adds the gRPC replay loopback to a bootstrap (docs/configuration.md, `grpc_replays`):
+    a listener that answers every request by itself, a cluster to it, and the route for the
+    replay path before the others."""
+    from harness import free_port, static_cluster
+    port = free_port()
+    resources = bootstrap["static_resources"]
+    resources["listeners"].append({
+        "name": "idempotency_replay",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                         "http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "idempotency_replay",
+                "route_config": {"virtual_hosts": [{"name": "replay", "domains": ["*"], "routes": [
+                    {"match": {"prefix": "/"},
+                     "direct_response": {"status": 200, "body": {"inline_string": "x"}}}]}]},
+                "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+            }}]}]})
+    resources["clusters"].append(static_cluster("idempotency_replay", port))
+    hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    routes.insert(0, {"match": {"path": "/__idempotency/replay"},
+                      "route": {"cluster": "idempotency_replay"}})
+    return bootstrap

@@ -1,11 +1,11 @@
 """gRPC through Envoy and the plugin, with grpcio on both sides (SPEC §3.10).
 
-What works: one effect per key under concurrent duplicates, the plugin's own answers as gRPC
-errors (ABORTED with grpc-retry-pushback-ms and a google.rpc.RetryInfo), release on the
-server-side failures, and failed results replayed as the same status and trailers. What the
-platform does not allow yet (docs/limits.md): a local reply to a gRPC call cannot carry
-messages, so a successful result is not replayed; its retry gets FAILED_PRECONDITION and is
-never run again.
+One effect per key under concurrent duplicates, the plugin's own answers as gRPC errors
+(ABORTED with grpc-retry-pushback-ms and a google.rpc.RetryInfo), release on the server-side
+failures, failed results replayed as the same status and trailers. A local reply to a gRPC call
+cannot carry messages (Envoy makes it trailers-only), so results with messages replay through
+the replay loopback (`grpc_replays: "loopback"`); without it their retry gets
+FAILED_PRECONDITION and is never run again.
 """
 
 import threading
@@ -14,8 +14,8 @@ import uuid
 import grpc
 import pytest
 
-from grpc_util import GrpcUpstream, pay
-from harness import Envoy, wait_until
+from grpc_util import GrpcUpstream, pay, with_replay_loopback
+from harness import Envoy, envoy_config, free_port, wait_until
 
 
 @pytest.fixture
@@ -25,10 +25,19 @@ def grpc_upstream():
     up.stop()
 
 
-@pytest.fixture(params=["detached", "router"])
+@pytest.fixture(params=[("detached", True), ("router", True), ("router", False)],
+                ids=["detached-loopback", "router-loopback", "router-no-loopback"])
 def envoy(request, wasm, grpc_upstream):
-    e = Envoy({"forward": request.param, "retry_after_s": 2}, grpc_upstream.port,
-              upstream_http2=True)
+    forward, loopback = request.param
+    config = {"forward": forward, "retry_after_s": 2}
+    if loopback:
+        config["grpc_replays"] = "loopback"
+    port, admin = free_port(), free_port()
+    bootstrap = envoy_config(port, admin, grpc_upstream.port, config, upstream_http2=True)
+    if loopback:
+        bootstrap = with_replay_loopback(bootstrap)
+    e = Envoy(None, grpc_upstream.port, bootstrap=bootstrap)
+    e.loopback = loopback
     yield e
     e.stop()
 
@@ -48,10 +57,14 @@ def test_duplicates_in_progress_get_aborted_with_the_pushback_and_one_effect(env
     t.join(10)
     code, response, _, _ = first["r"]
     assert code == grpc.StatusCode.OK and response.startswith(f"paid {key} #1".encode())
-    # The platform's limit: the successful result cannot be replayed to a gRPC client; the
-    # retry is told so, and the work is not done again.
-    code, details, _, trailing = pay(envoy.port, key)
-    assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
+    code, response, initial, trailing = pay(envoy.port, key)
+    if envoy.loopback:
+        # The same message and trailers, marked in the initial metadata.
+        assert code == grpc.StatusCode.OK and response == first["r"][1], (code, response)
+        assert initial["idempotent-replayed"] == "true" and trailing["x-cost"] == "7"
+    else:
+        # Without the loopback the result cannot be replayed; the retry is told so.
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, response)
     assert grpc_upstream.effects_of(key) == 1
     assert envoy.stat("wasmcustom.idempotency.conflict") >= 1
 

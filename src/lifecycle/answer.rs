@@ -124,6 +124,17 @@ impl<S: Store> Lifecycle<S> {
             Began::InProgress => self.in_progress(id, held, lazy, now),
             Began::Replay(response) => {
                 self.count(Counter::Replayed);
+                if self.replays_through_loopback(id, &response) {
+                    // Not gRPC on the way there: the loopback's answer must keep its body.
+                    let set =
+                        [(":path", crate::grpc::REPLAY_PATH), ("content-type", "application/x-idempotency-replay")];
+                    for (name, value) in set {
+                        let (name, value) = (name.to_string(), Some(value.to_string()));
+                        self.effects.push(super::Effect::SetRequestHeader { stream: id, name, value });
+                    }
+                    self.set_phase(id, Phase::GrpcReplay(response));
+                    return Next::Router;
+                }
                 self.reply(id, Reply::Stored { response, replayed: true });
                 Next::Hold
             }
@@ -139,6 +150,14 @@ impl<S: Store> Lifecycle<S> {
                 self.unavailable(id, policy, outbound)
             }
         }
+    }
+
+    /// A gRPC result with messages: a local reply cannot carry them (SPEC §4), a response
+    /// through the router can.
+    fn replays_through_loopback(&self, id: u32, response: &StoredResponse) -> bool {
+        self.config.grpc_replay_loopback
+            && self.streams.get(&id).is_some_and(|s| s.grpc)
+            && crate::grpc::GrpcAnswer::replay_of(response).is_none()
     }
 
     fn refuse(&mut self, id: u32, counter: Counter, problem: Problem) -> Next {

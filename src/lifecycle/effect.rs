@@ -45,6 +45,18 @@ pub enum Effect {
         name: String,
         value: Option<String>,
     },
+    /// A gRPC replay through the loopback: its answer's headers become these.
+    SetResponseHeaders {
+        stream: u32,
+        headers: Vec<(String, Vec<u8>)>,
+    },
+    /// … its buffered body (`size` bytes) becomes `body`, and these trailers follow.
+    ReplaceResponseBody {
+        stream: u32,
+        size: usize,
+        body: Vec<u8>,
+        trailers: Vec<(String, Vec<u8>)>,
+    },
     /// Let `stream`'s paused request go on through Envoy's router.
     Resume {
         stream: u32,

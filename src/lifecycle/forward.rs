@@ -241,12 +241,30 @@ impl<S: Store> Lifecycle<S> {
     /// Router forwarding: the upstream's answer (or Envoy's stand-in for it) arrives. Its end
     /// is held (`Flow::Pause`) until the store acknowledged the completion.
     pub fn on_response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) -> Flow {
+        if let Some(Phase::GrpcReplay(response)) = self.streams.get(&id).map(|s| &s.phase) {
+            let (headers, _) = grpc::replay_parts(response);
+            self.effects.push(Effect::SetResponseHeaders { stream: id, headers });
+            if end_of_stream {
+                log::warn!("the gRPC replay loopback answered without a body: is its route missing?");
+            }
+            return Flow::Continue;
+        }
         let flow = self.response_headers(host, id, end_of_stream);
         self.after_stream_event();
         flow
     }
 
     pub fn on_response_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool) -> Flow {
+        if let Some(Phase::GrpcReplay(response)) = self.streams.get(&id).map(|s| &s.phase) {
+            if !end_of_stream {
+                return Flow::Pause; // the loopback's body is replaced at its end
+            }
+            let (_, trailers) = grpc::replay_parts(response);
+            let body = response.body().to_vec();
+            self.effects.push(Effect::ReplaceResponseBody { stream: id, size, body, trailers });
+            self.set_phase(id, Phase::Pass);
+            return Flow::Continue;
+        }
         let flow = self.response_body(host, id, size, end_of_stream);
         self.after_stream_event();
         flow
@@ -279,11 +297,13 @@ impl<S: Store> Lifecycle<S> {
             self.release(owner, now);
             return Flow::Continue;
         }
+        let loopback = self.config.grpc_replay_loopback;
         match &mut c.kept {
-            Some((body, reservation)) if code != grpc::OK && body.is_empty() => {
-                let more: usize = trailers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
+            Some((body, reservation)) if loopback || (code != grpc::OK && body.is_empty()) => {
+                let more: usize = trailers.iter().map(|(n, v)| 6 + grpc::TRAILER.len() + n.len() + v.len()).sum();
                 if reservation.grow(more) {
-                    c.headers.extend(trailers.into_iter().filter(|(n, _)| !is_hop_by_hop(n)));
+                    let kept = trailers.into_iter().filter(|(n, _)| !is_hop_by_hop(n));
+                    c.headers.extend(kept.map(|(n, v)| (format!("{}{n}", grpc::TRAILER), v)));
                 } else {
                     c.kept = None;
                 }
@@ -340,10 +360,10 @@ impl<S: Store> Lifecycle<S> {
         };
         let buffered = !self.store.answers_at_once();
         let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
-        let grpc = stream.grpc;
+        let grpc = stream.grpc && !self.config.grpc_replay_loopback;
         let Phase::Owner { capture: Some(c), .. } = &mut stream.phase else { return Flow::Continue };
         if grpc && size > 0 {
-            c.kept = None; // a gRPC result with messages is not stored (see grpc_trailers)
+            c.kept = None; // without the loopback a result with messages cannot be replayed
         }
         let mut flow = Flow::Continue;
         if let Some((body, reservation)) = &mut c.kept {

@@ -106,3 +106,41 @@ fn release_grpc_statuses_takes_names_and_numbers() {
     assert_eq!(e.field, "release_grpc_statuses[0]");
     assert!(crate::config::Config::parse(br#"{"release_grpc_statuses":[17]}"#).is_err());
 }
+
+#[test]
+fn with_the_loopback_a_result_with_messages_replays_as_its_messages_and_trailers() {
+    let mut l = lifecycle(r#"{"grpc_replays":"loopback"}"#);
+    send(&mut l, 1, &call("k"), 0);
+    let trailers = [("grpc-status", "0"), ("x-request-cost", "7")];
+    let effects = respond(&mut l, 1, &answer(b"\0\0\0\0\x02ok", &trailers));
+    assert_eq!(count(&effects, crate::metrics::Counter::Completed), 1);
+    let (flow, effects) = send(&mut l, 2, &call("k"), 1);
+    assert_eq!(flow, Flow::Continue, "through the router, to the loopback");
+    let path = Some(grpc::REPLAY_PATH.to_string());
+    assert!(effects.contains(&Effect::SetRequestHeader { stream: 2, name: ":path".into(), value: path }));
+    assert_eq!(
+        (count(&effects, crate::metrics::Counter::Replayed), count(&effects, crate::metrics::Counter::Claimed)),
+        (1, 0)
+    );
+    let loopback = FakeHost {
+        response: headers(&[(":status", "200"), ("content-type", "text/plain"), ("content-length", "1")]),
+        response_body: b"x".to_vec(),
+        ..FakeHost::default()
+    };
+    assert_eq!(l.on_response_headers(&loopback, 2, false), Flow::Continue);
+    let Some(Effect::SetResponseHeaders { stream: 2, headers }) = l.take_effects().into_iter().next() else {
+        panic!("the loopback's headers are replaced")
+    };
+    let names: Vec<&str> = headers.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, [":status", "content-type", "idempotent-replayed"]);
+    assert_eq!(l.on_response_body(&loopback, 2, 1, false), Flow::Pause);
+    assert_eq!(l.on_response_body(&loopback, 2, 1, true), Flow::Continue);
+    let effects = l.take_effects();
+    let expected = Effect::ReplaceResponseBody {
+        stream: 2,
+        size: 1,
+        body: b"\0\0\0\0\x02ok".to_vec(),
+        trailers: vec![("grpc-status".into(), b"0".to_vec()), ("x-request-cost".into(), b"7".to_vec())],
+    };
+    assert_eq!(effects, vec![expected]);
+}

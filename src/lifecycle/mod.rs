@@ -94,6 +94,9 @@ enum Phase {
     Detached,
     /// We answered locally; our own reply passes through our response callbacks.
     Replied,
+    /// A gRPC replay with messages: the request went to the replay loopback, whose answer
+    /// becomes the stored one (SPEC §3.10).
+    GrpcReplay(Rc<crate::encoding::StoredResponse>),
 }
 
 /// A covered request between its body and its claim's outcome.
@@ -210,7 +213,7 @@ impl<S: Store> Lifecycle<S> {
 
     /// Whether `id`'s response matters: a router owner's, which completes or releases its key.
     pub fn watches_response(&self, id: u32) -> bool {
-        matches!(self.streams.get(&id), Some(Stream { phase: Phase::Owner { .. }, .. }))
+        matches!(self.streams.get(&id), Some(Stream { phase: Phase::Owner { .. } | Phase::GrpcReplay(_), .. }))
     }
 
     /// Nothing in flight and nothing to retry: a root that is being replaced may end.

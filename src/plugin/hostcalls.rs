@@ -224,6 +224,22 @@ pub fn set_request_header(name: &str, value: Option<&str>) {
     let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
 }
 
+/// Replaces every response header of the current stream.
+pub fn set_response_headers(headers: &[(String, Vec<u8>)]) {
+    let map: Vec<(&str, &[u8])> = headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+    let _ = hostcalls::set_map_bytes(MapType::HttpResponseHeaders, map);
+}
+
+/// Replaces the current stream's buffered response body (`size` bytes) with `body`.
+pub fn replace_response_body(size: usize, body: &[u8]) {
+    let _ = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, size, body);
+}
+
+/// Adds a response trailer; at the body's end Envoy creates the trailers (SPEC §4).
+pub fn add_response_trailer(name: &str, value: &[u8]) {
+    let _ = hostcalls::add_map_value_bytes(MapType::HttpResponseTrailers, name, value);
+}
+
 pub fn resume_request() -> bool {
     hostcalls::resume_http_request().is_ok()
 }

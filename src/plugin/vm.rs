@@ -83,6 +83,19 @@ impl Vm {
                     hostcalls::set_request_header(&name, value.as_deref());
                 }
             }
+            Effect::SetResponseHeaders { stream, headers } => {
+                if on.stream(stream) {
+                    hostcalls::set_response_headers(&headers);
+                }
+            }
+            Effect::ReplaceResponseBody { stream, size, body, trailers } => {
+                if on.stream(stream) {
+                    hostcalls::replace_response_body(size, &body);
+                    for (name, value) in &trailers {
+                        hostcalls::add_response_trailer(name, value);
+                    }
+                }
+            }
             Effect::Resume { stream } => {
                 if on.stream(stream) {
                     hostcalls::resume_request();
