@@ -38,7 +38,7 @@ tools:
 	@cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 	@cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 	@missing=""; \
-	for need in etcd:etcd-server openssl:openssl; do \
+	for need in etcd:etcd-server openssl:openssl ip:iproute2; do \
 	  command -v $${need%%:*} >/dev/null 2>&1 || missing="$$missing $${need##*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \

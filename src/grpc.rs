@@ -9,6 +9,7 @@
 use prost::Message;
 
 use crate::encoding::StoredResponse;
+use crate::host::Headers;
 use crate::problem::Problem;
 
 pub const OK: u32 = 0;
@@ -124,7 +125,7 @@ impl GrpcAnswer {
 
 /// A stored result with messages, replayed through the loopback: the headers that replace
 /// the loopback's, and the trailers that follow the messages.
-pub fn replay_parts(response: &StoredResponse) -> (Vec<(String, Vec<u8>)>, Vec<(String, Vec<u8>)>) {
+pub fn replay_parts(response: &StoredResponse) -> (Headers, Headers) {
     let mut headers = vec![(":status".to_string(), b"200".to_vec())];
     let mut trailers = Vec::new();
     for (name, value) in response.headers() {
