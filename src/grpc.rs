@@ -93,8 +93,8 @@ impl GrpcAnswer {
     /// The replay of a stored gRPC result that failed (a non-OK `grpc-status`, no message):
     /// the same status, message and trailing metadata, as trailers-only. `None` for a result
     /// with messages, which a local reply cannot carry (docs/limits.md).
-    pub fn replay_of(response: &StoredResponse) -> Option<GrpcAnswer> {
-        let code = status_of(response.headers().map(|(n, v)| (n.strip_prefix(TRAILER).unwrap_or(n), v)))?;
+    pub fn replay_of(response: &StoredResponse, replayed: bool) -> Option<GrpcAnswer> {
+        let code = status_of(trailers_and_headers(response))?;
         if code == OK || !response.body().is_empty() {
             return None;
         }
@@ -109,7 +109,9 @@ impl GrpcAnswer {
                 _ => metadata.push((name.to_string(), value.to_vec())),
             }
         }
-        metadata.push(("idempotent-replayed".to_string(), b"true".to_vec()));
+        if replayed {
+            metadata.push(("idempotent-replayed".to_string(), b"true".to_vec()));
+        }
         Some(GrpcAnswer { code, message, metadata })
     }
 
@@ -125,7 +127,7 @@ impl GrpcAnswer {
 
 /// A stored result with messages, replayed through the loopback: the headers that replace
 /// the loopback's, and the trailers that follow the messages.
-pub fn replay_parts(response: &StoredResponse) -> (Headers, Headers) {
+pub fn replay_parts(response: &StoredResponse, replayed: bool) -> (Headers, Headers) {
     let mut headers = vec![(":status".to_string(), b"200".to_vec())];
     let mut trailers = Vec::new();
     for (name, value) in response.headers() {
@@ -135,8 +137,15 @@ pub fn replay_parts(response: &StoredResponse) -> (Headers, Headers) {
             None => headers.push((name.to_string(), value.to_vec())),
         }
     }
-    headers.push(("idempotent-replayed".to_string(), b"true".to_vec()));
+    if replayed {
+        headers.push(("idempotent-replayed".to_string(), b"true".to_vec()));
+    }
     (headers, trailers)
+}
+
+/// A stored response's trailers (their prefix cut) and headers: where `grpc-status` may be.
+pub fn trailers_and_headers(response: &StoredResponse) -> impl Iterator<Item = (&str, &[u8])> {
+    response.headers().map(|(n, v)| (n.strip_prefix(TRAILER).unwrap_or(n), v))
 }
 
 /// `grpc-message` is percent-encoded on the wire; the local reply API encodes it again.
@@ -256,14 +265,14 @@ mod tests {
             (":t:x-trailer", b"t"),
         ];
         let stored = StoredResponse::new(200, headers.clone(), Vec::new());
-        let a = GrpcAnswer::replay_of(&stored).unwrap();
+        let a = GrpcAnswer::replay_of(&stored, true).unwrap();
         assert_eq!((a.code, a.message.as_str()), (5, "no such account"));
         let names: Vec<&str> = a.metadata.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["grpc-status-details-bin", "x-trailer", "idempotent-replayed"]);
         let ok: Vec<(&str, &[u8])> = vec![("content-type", b"application/grpc"), (":t:grpc-status", b"0")];
         let ok = StoredResponse::new(200, ok, b"msg".to_vec());
-        assert_eq!(GrpcAnswer::replay_of(&ok), None);
-        let (headers, trailers) = replay_parts(&ok);
+        assert_eq!(GrpcAnswer::replay_of(&ok, true), None);
+        let (headers, trailers) = replay_parts(&ok, true);
         assert_eq!(
             headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
             [":status", "content-type", "idempotent-replayed"]

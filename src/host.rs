@@ -24,6 +24,8 @@ pub trait Host {
     /// The headers of the HTTP call whose answer is being delivered.
     fn call_headers(&self) -> Headers;
     fn call_body(&self, size: usize) -> Vec<u8>;
+    /// Its trailers (a gRPC call's status).
+    fn call_trailers(&self) -> Headers;
     /// The response message of the gRPC call whose answer is being delivered.
     fn grpc_message(&self, size: usize) -> Vec<u8>;
     /// Its `grpc-message` (the status's text), when it failed.

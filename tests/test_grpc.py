@@ -25,19 +25,25 @@ def grpc_upstream():
     up.stop()
 
 
-@pytest.fixture(params=[("detached", True), ("router", True), ("router", False)],
-                ids=["detached-loopback", "router-loopback", "router-no-loopback"])
-def envoy(request, wasm, grpc_upstream):
-    forward, loopback = request.param
-    config = {"forward": forward, "retry_after_s": 2}
+def start(grpc_upstream, config, loopback):
+    """An Envoy with the plugin in front of the gRPC upstream (and the replay loopback)."""
     if loopback:
-        config["grpc_replays"] = "loopback"
+        config = {**config, "grpc_replays": "loopback"}
     port, admin = free_port(), free_port()
     bootstrap = envoy_config(port, admin, grpc_upstream.port, config, upstream_http2=True)
     if loopback:
         bootstrap = with_replay_loopback(bootstrap)
     e = Envoy(None, grpc_upstream.port, bootstrap=bootstrap)
     e.loopback = loopback
+    return e
+
+
+@pytest.fixture(params=[("detached", True), ("router", True), ("router", False)],
+                ids=["detached-loopback", "router-loopback", "router-no-loopback"])
+def envoy(request, wasm, grpc_upstream):
+    forward, loopback = request.param
+    config = {"forward": forward, "retry_after_s": 2}
+    e = start(grpc_upstream, config, loopback)
     yield e
     e.stop()
 
@@ -96,4 +102,30 @@ def test_a_reused_key_with_another_message_is_invalid_argument(envoy, grpc_upstr
     assert pay(envoy.port, key, x_grpc_status=5)[0] == grpc.StatusCode.NOT_FOUND
     code, details, _, _ = pay(envoy.port, key, body=b"amount=99")
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert grpc_upstream.effects_of(key) == 1
+
+
+def test_a_client_deadline_shorter_than_the_call_costs_one_effect(wasm, grpc_upstream):
+    """The phone's story in gRPC: the client gives up (DEADLINE_EXCEEDED) while the call
+    runs. Detached, the call goes on: the retry gets ABORTED while it runs and the stored
+    result after. Through the router, the call is reset with the client: its mark expires
+    after lease_ms and a retry then runs again (docs/limits.md)."""
+    envoy = start(grpc_upstream, {"forward": "detached", "retry_after_s": 2}, loopback=True)
+    try:
+        deadline_story(envoy, grpc_upstream)
+    finally:
+        envoy.stop()
+
+
+def deadline_story(envoy, grpc_upstream):
+    key = uuid.uuid4().hex
+    code, _, _, _ = pay(envoy.port, key, timeout=0.5, x_delay_ms=1500)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    code, _, _, trailing = pay(envoy.port, key)
+    assert code == grpc.StatusCode.ABORTED and trailing["grpc-retry-pushback-ms"] == "2000"
+    wait_until(lambda: pay(envoy.port, key)[0] == grpc.StatusCode.OK, timeout=5,
+               message="the stored result")
+    code, response, initial, trailing = pay(envoy.port, key)
+    assert code == grpc.StatusCode.OK and response.startswith(f"paid {key} #1".encode())
+    assert initial["idempotent-replayed"] == "true" and trailing["x-cost"] == "7"
     assert grpc_upstream.effects_of(key) == 1

@@ -125,14 +125,7 @@ impl<S: Store> Lifecycle<S> {
             Began::Replay(response) => {
                 self.count(Counter::Replayed);
                 if self.replays_through_loopback(id, &response) {
-                    // Not gRPC on the way there: the loopback's answer must keep its body.
-                    let set =
-                        [(":path", crate::grpc::REPLAY_PATH), ("content-type", "application/x-idempotency-replay")];
-                    for (name, value) in set {
-                        let (name, value) = (name.to_string(), Some(value.to_string()));
-                        self.effects.push(super::Effect::SetRequestHeader { stream: id, name, value });
-                    }
-                    self.set_phase(id, Phase::GrpcReplay(response));
+                    self.through_loopback(id, response, true, false);
                     return Next::Router;
                 }
                 self.reply(id, Reply::Stored { response, replayed: true });
@@ -157,7 +150,7 @@ impl<S: Store> Lifecycle<S> {
     fn replays_through_loopback(&self, id: u32, response: &StoredResponse) -> bool {
         self.config.grpc_replay_loopback
             && self.streams.get(&id).is_some_and(|s| s.grpc)
-            && crate::grpc::GrpcAnswer::replay_of(response).is_none()
+            && crate::grpc::GrpcAnswer::replay_of(response, true).is_none()
     }
 
     fn refuse(&mut self, id: u32, counter: Counter, problem: Problem) -> Next {
@@ -186,7 +179,14 @@ impl<S: Store> Lifecycle<S> {
                     request.headers.retain(|(n, _)| *n != name);
                     request.headers.extend(token.map(|t| (name, t)));
                 }
-                self.outbox.push_back(Outgoing { stream: id, policy, owner, leased_ms, request });
+                let grpc = self.streams.get(&id).is_some_and(|s| s.grpc);
+                if grpc {
+                    // The client's deadline is not the call's: it goes on after its client
+                    // left, within upstream_timeout_ms (an upstream told the deadline would
+                    // give up with it, and DEADLINE_EXCEEDED releases the key).
+                    request.headers.retain(|(n, _)| n != "grpc-timeout");
+                }
+                self.outbox.push_back(Outgoing { stream: id, policy, grpc, owner, leased_ms, request });
                 self.set_phase(id, Phase::Detached);
                 Next::Hold
             }

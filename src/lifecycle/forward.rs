@@ -78,7 +78,9 @@ fn classify(answer: CallAnswer) -> Outcome {
         }
     }
     // The body becomes the stored form in place: the VM holds one copy of the answer.
-    let kept = headers.iter().filter(|(n, _)| !is_hop_by_hop(n)).map(|(n, v)| (n.as_str(), v.as_slice()));
+    // A gRPC call's trailers are kept under their prefix (they are not pseudo-headers).
+    let kept = headers.iter().filter(|(n, _)| !is_hop_by_hop(n) || n.starts_with(crate::grpc::TRAILER));
+    let kept = kept.map(|(n, v)| (n.as_str(), v.as_slice()));
     Outcome::Answer(StoredResponse::new(status, kept, body))
 }
 
@@ -87,7 +89,7 @@ impl<S: Store> Lifecycle<S> {
     /// event loop, etcd's round trip) renews its mark first, so that the lease counts from
     /// the moment the call leaves; a fresh one is left to the periodic renewal.
     pub(super) fn dispatch_upstream(&mut self, out: Outgoing, now: u64) {
-        let Outgoing { stream, policy, owner, leased_ms, request } = out;
+        let Outgoing { stream, policy, grpc, owner, leased_ms, request } = out;
         let p = self.config.clone();
         let p = p.policy(policy);
         if let Some(owner) = owner {
@@ -101,7 +103,7 @@ impl<S: Store> Lifecycle<S> {
             }
         }
         let n = self.new_call_id();
-        self.calls.insert(n, Upstream { stream, policy, owner });
+        self.calls.insert(n, Upstream { stream, policy, grpc, owner });
         let request = CallRequest {
             cluster: request.cluster,
             kind: CallKind::Http { headers: request.headers },
@@ -141,8 +143,13 @@ impl<S: Store> Lifecycle<S> {
         let p = self.config.clone();
         let p = p.policy(call.policy);
         let response = Rc::new(response);
+        // A gRPC call's status is in its trailers (or headers, trailers-only); none at all
+        // is a broken answer.
+        let grpc_failed = call.grpc
+            && grpc::status_of(grpc::trailers_and_headers(&response))
+                .is_none_or(|code| p.release_grpc_statuses & (1 << code.min(31)) != 0);
         let response = match call.owner {
-            Some(owner) if p.release_statuses.contains(response.status()) => {
+            Some(owner) if grpc_failed || p.release_statuses.contains(response.status()) => {
                 self.release(owner, now);
                 Some(response)
             }
@@ -241,8 +248,8 @@ impl<S: Store> Lifecycle<S> {
     /// Router forwarding: the upstream's answer (or Envoy's stand-in for it) arrives. Its end
     /// is held (`Flow::Pause`) until the store acknowledged the completion.
     pub fn on_response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) -> Flow {
-        if let Some(Phase::GrpcReplay(response)) = self.streams.get(&id).map(|s| &s.phase) {
-            let (headers, _) = grpc::replay_parts(response);
+        if let Some(Phase::GrpcReplay { response, replayed }) = self.streams.get(&id).map(|s| &s.phase) {
+            let (headers, _) = grpc::replay_parts(response, *replayed);
             self.effects.push(Effect::SetResponseHeaders { stream: id, headers });
             if end_of_stream {
                 log::warn!("the gRPC replay loopback answered without a body: is its route missing?");
@@ -255,11 +262,11 @@ impl<S: Store> Lifecycle<S> {
     }
 
     pub fn on_response_body(&mut self, host: &dyn Host, id: u32, size: usize, end_of_stream: bool) -> Flow {
-        if let Some(Phase::GrpcReplay(response)) = self.streams.get(&id).map(|s| &s.phase) {
+        if let Some(Phase::GrpcReplay { response, .. }) = self.streams.get(&id).map(|s| &s.phase) {
             if !end_of_stream {
                 return Flow::Pause; // the loopback's body is replaced at its end
             }
-            let (_, trailers) = grpc::replay_parts(response);
+            let (_, trailers) = grpc::replay_parts(response, false);
             let body = response.body().to_vec();
             self.effects.push(Effect::ReplaceResponseBody { stream: id, size, body, trailers });
             self.set_phase(id, Phase::Pass);

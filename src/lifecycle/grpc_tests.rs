@@ -12,6 +12,7 @@ fn call(key: &str) -> FakeHost {
             *v = b"application/grpc".to_vec();
         }
     }
+    host.request.push(("grpc-timeout".into(), b"500m".to_vec()));
     host
 }
 
@@ -109,7 +110,7 @@ fn release_grpc_statuses_takes_names_and_numbers() {
 
 #[test]
 fn with_the_loopback_a_result_with_messages_replays_as_its_messages_and_trailers() {
-    let mut l = lifecycle(r#"{"grpc_replays":"loopback"}"#);
+    let mut l = lifecycle(r#"{"forward":"router","grpc_replays":"loopback"}"#);
     send(&mut l, 1, &call("k"), 0);
     let trailers = [("grpc-status", "0"), ("x-request-cost", "7")];
     let effects = respond(&mut l, 1, &answer(b"\0\0\0\0\x02ok", &trailers));
@@ -143,4 +144,52 @@ fn with_the_loopback_a_result_with_messages_replays_as_its_messages_and_trailers
         trailers: vec![("grpc-status".into(), b"0".to_vec()), ("x-request-cost".into(), b"7".to_vec())],
     };
     assert_eq!(effects, vec![expected]);
+}
+
+/// Detached (the phone's story: the client may leave, the call goes on): the root's call
+/// returns its trailers, the key completes, and the client's own answer goes through the
+/// loopback too, without `idempotent-replayed`.
+#[test]
+fn with_the_loopback_a_detached_call_answers_its_client_through_it() {
+    let mut l = lifecycle(r#"{"grpc_replays":"loopback"}"#);
+    let (flow, _) = send(&mut l, 1, &call("k"), 0);
+    assert_eq!(flow, Flow::Pause, "the root sends it");
+    l.on_wake(1);
+    let calls = super::tests::dispatched(&l.take_effects());
+    assert_eq!(calls[0].1.header("grpc-timeout"), None, "the call outlives its client's deadline");
+    assert_eq!(calls[0].1.header("content-type"), Some("application/grpc"));
+    let upstream = FakeHost {
+        call_headers: headers(&[
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("x-envoy-upstream-service-time", "1"),
+        ]),
+        call_body: b"\0\0\0\0\x02ok".to_vec(),
+        call_trailers: headers(&[("grpc-status", "0"), ("x-request-cost", "7")]),
+        ..FakeHost::default()
+    };
+    l.on_call_answer(&upstream, calls[0].0, true, 7, 2);
+    let effects = l.take_effects();
+    assert_eq!(count(&effects, crate::metrics::Counter::Completed), 1);
+    assert!(effects.contains(&Effect::Resume { stream: 1 }), "{effects:?}");
+    let loopback = FakeHost {
+        response: headers(&[(":status", "200"), ("content-length", "1")]),
+        response_body: b"x".to_vec(),
+        ..FakeHost::default()
+    };
+    l.on_response_headers(&loopback, 1, false);
+    let Some(Effect::SetResponseHeaders { headers: set, .. }) = l.take_effects().into_iter().next() else { panic!() };
+    assert!(!set.iter().any(|(n, _)| n == "idempotent-replayed"), "the first answer is no replay");
+    l.on_response_body(&loopback, 1, 1, true);
+    let effects = l.take_effects();
+    assert!(matches!(&effects[..], [Effect::ReplaceResponseBody { body, .. }] if body == b"\0\0\0\0\x02ok"));
+    // A server-side failure of a detached call releases the key and answers as itself.
+    send(&mut l, 2, &call("k2"), 3);
+    l.on_wake(3);
+    let calls = super::tests::dispatched(&l.take_effects());
+    let failed = FakeHost { call_body: Vec::new(), call_trailers: headers(&[("grpc-status", "14")]), ..upstream };
+    l.on_call_answer(&failed, calls[0].0, true, 0, 4);
+    let effects = l.take_effects();
+    assert_eq!(count(&effects, crate::metrics::Counter::Released), 1);
+    assert_eq!(grpc_reply(&effects, 2).code, grpc::UNAVAILABLE);
 }

@@ -96,7 +96,7 @@ enum Phase {
     Replied,
     /// A gRPC replay with messages: the request went to the replay loopback, whose answer
     /// becomes the stored one (SPEC §3.10).
-    GrpcReplay(Rc<crate::encoding::StoredResponse>),
+    GrpcReplay { response: Rc<crate::encoding::StoredResponse>, replayed: bool },
 }
 
 /// A covered request between its body and its claim's outcome.
@@ -135,6 +135,8 @@ struct Holding {
 struct Upstream {
     stream: u32,
     policy: usize,
+    /// A gRPC call: its status is in the answer's trailers.
+    grpc: bool,
     /// `None`: forwarded without a claim (`on_unavailable: "pass"`).
     owner: Option<Owner>,
 }
@@ -143,6 +145,7 @@ struct Upstream {
 struct Outgoing {
     stream: u32,
     policy: usize,
+    grpc: bool,
     owner: Option<Owner>,
     leased_ms: u64,
     request: Outbound,
@@ -213,7 +216,7 @@ impl<S: Store> Lifecycle<S> {
 
     /// Whether `id`'s response matters: a router owner's, which completes or releases its key.
     pub fn watches_response(&self, id: u32) -> bool {
-        matches!(self.streams.get(&id), Some(Stream { phase: Phase::Owner { .. } | Phase::GrpcReplay(_), .. }))
+        matches!(self.streams.get(&id), Some(Stream { phase: Phase::Owner { .. } | Phase::GrpcReplay { .. }, .. }))
     }
 
     /// Nothing in flight and nothing to retry: a root that is being replaced may end.
@@ -357,15 +360,43 @@ impl<S: Store> Lifecycle<S> {
         let Some(stream) = self.streams.get(&id) else { return };
         let reply = match reply {
             Reply::Problem(p) if stream.grpc => Reply::Grpc(crate::grpc::GrpcAnswer::for_problem(&p)),
-            // A local reply to a gRPC call cannot carry messages and trailers: a failed call
-            // replays as its status; a result with messages cannot be replayed (limits.md).
-            Reply::Stored { response, replayed: true } if stream.grpc => Reply::Grpc(
-                crate::grpc::GrpcAnswer::replay_of(&response).unwrap_or_else(crate::grpc::GrpcAnswer::not_replayable),
-            ),
+            // A local reply to a gRPC call cannot carry messages and trailers (Envoy makes it
+            // trailers-only): a failed call answers as its status; a result with messages
+            // goes through the replay loopback, or cannot be replayed (limits.md).
+            Reply::Stored { response, replayed } if stream.grpc => {
+                match crate::grpc::GrpcAnswer::replay_of(&response, replayed) {
+                    Some(answer) => Reply::Grpc(answer),
+                    None if self.config.grpc_replay_loopback => {
+                        return self.through_loopback(id, response, replayed, true)
+                    }
+                    None => Reply::Grpc(crate::grpc::GrpcAnswer::not_replayable()),
+                }
+            }
             other => other,
         };
         self.set_phase(id, Phase::Replied);
         self.effects.push(Effect::Reply { stream: id, reply });
+    }
+
+    /// Sends a paused gRPC call on to the replay loopback, whose answer becomes `response`
+    /// (`resume`: from another event than the stream's own).
+    fn through_loopback(
+        &mut self,
+        id: u32,
+        response: Rc<crate::encoding::StoredResponse>,
+        replayed: bool,
+        resume: bool,
+    ) {
+        // Not gRPC on the way there: the loopback's answer must keep its body.
+        let set = [(":path", crate::grpc::REPLAY_PATH), ("content-type", "application/x-idempotency-replay")];
+        for (name, value) in set {
+            let (name, value) = (name.to_string(), Some(value.to_string()));
+            self.effects.push(Effect::SetRequestHeader { stream: id, name, value });
+        }
+        self.set_phase(id, Phase::GrpcReplay { response, replayed });
+        if resume {
+            self.effects.push(Effect::Resume { stream: id });
+        }
     }
 
     /// Moves a stream to `phase`, keeping the count of held requests.

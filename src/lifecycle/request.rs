@@ -84,9 +84,9 @@ fn covered(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host, hea
     for name in &policy.fingerprint_headers {
         fingerprint.header(name, headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()));
     }
-    // A detached call's answer loses its trailers, where gRPC puts its status: gRPC calls
-    // go through the router.
-    let headers = (policy.forward == Forward::Detached && !grpc).then_some(headers);
+    // A gRPC call sent detached answers its client through the replay loopback (a local
+    // reply cannot carry its messages); without it, gRPC calls go through the router.
+    let headers = (policy.forward == Forward::Detached && (!grpc || config.grpc_replay_loopback)).then_some(headers);
     Covered::Yes(Box::new(Pending { key, fingerprint, headers, scope_shared }))
 }
 

@@ -21,6 +21,7 @@ pub(super) struct FakeHost {
     pub(super) code_details: Option<&'static str>,
     pub(super) call_headers: Headers,
     pub(super) call_body: Vec<u8>,
+    pub(super) call_trailers: Headers,
     pub(super) now: u64,
     pub(super) grpc_text: Vec<u8>,
 }
@@ -61,6 +62,9 @@ impl Host for FakeHost {
     }
     fn call_body(&self, size: usize) -> Vec<u8> {
         self.call_body.iter().take(size).copied().collect()
+    }
+    fn call_trailers(&self) -> Headers {
+        self.call_trailers.clone()
     }
     fn grpc_message(&self, size: usize) -> Vec<u8> {
         self.call_body.iter().take(size).copied().collect()

@@ -31,7 +31,13 @@ impl<S: Store> Lifecycle<S> {
 
     /// An HTTP call's answer (in the root's event): headers and body are read from the host.
     pub fn on_call_answer(&mut self, host: &dyn Host, call: CallId, has_headers: bool, body_size: usize, now: u64) {
-        let headers = if has_headers { host.call_headers() } else { Vec::new() };
+        let mut headers = if has_headers { host.call_headers() } else { Vec::new() };
+        if let CallId::Upstream(n) = call {
+            if self.calls.get(&n).is_some_and(|c| c.grpc) {
+                let trailers = host.call_trailers().into_iter();
+                headers.extend(trailers.map(|(n, v)| (format!("{}{n}", crate::grpc::TRAILER), v)));
+            }
+        }
         let status = super::forward::status_of(&headers);
         let answer = CallAnswer { status, headers, body: host.call_body(body_size) };
         match call {

@@ -190,6 +190,10 @@ impl Host for HostCalls {
         hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
     }
 
+    fn call_trailers(&self) -> Headers {
+        hostcalls::get_map_bytes(MapType::HttpCallResponseTrailers).unwrap_or_default()
+    }
+
     fn grpc_message(&self, size: usize) -> Vec<u8> {
         hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size).ok().flatten().unwrap_or_default()
     }
