@@ -32,13 +32,13 @@ $(READY): tests/requirements.txt
 	touch $@
 
 # What the tests need besides the venv: the Wasm target, clippy and rustfmt (rustup), etcd and
-# openssl (Debian's packages, installed when missing and run as root; otherwise named).
+# openssl, iproute2 and curl (Debian's packages, installed when missing and run as root; otherwise named).
 tools:
 	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
 	@cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 	@cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 	@missing=""; \
-	for need in etcd:etcd-server openssl:openssl ip:iproute2; do \
+	for need in etcd:etcd-server openssl:openssl ip:iproute2 curl:curl; do \
 	  command -v $${need%%:*} >/dev/null 2>&1 || missing="$$missing $${need##*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \
