@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: fleet build run test tools unit e2e lint setup clean fuzz image chaos bench bench-hostcalls
+.PHONY: grpc fleet build run test tools unit e2e lint setup clean fuzz image chaos bench bench-hostcalls
 
 build: $(WASM)
 
@@ -53,6 +53,10 @@ tools:
 
 run: build setup
 	$(PY) envoy/demo.py
+
+# The plugin in front of a gRPC service, and a short session with a grpcio client.
+grpc: build setup
+	$(PY) envoy/grpc_demo.py
 
 # Two Envoy replicas on one etcd (needs etcd: apt-get install etcd-server).
 fleet: build setup

@@ -18,14 +18,14 @@ SERVICE, METHOD = "idem.Test", "Pay"
 
 
 class GrpcUpstream:
-    def __init__(self):
+    def __init__(self, port=0):
         self.lock = threading.Lock()
         self.effects = collections.Counter()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         handler = grpc.unary_unary_rpc_method_handler(self._pay)
         self.server.add_generic_rpc_handlers(
             [grpc.method_handlers_generic_handler(SERVICE, {METHOD: handler})])
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.server.start()
 
     def _pay(self, request, context):

@@ -8,14 +8,16 @@ the replay loopback (`grpc_replays: "loopback"`); without it their retry gets
 FAILED_PRECONDITION and is never run again.
 """
 
+import os
 import threading
 import uuid
 
 import grpc
 import pytest
+import yaml
 
 from grpc_util import GrpcUpstream, pay, with_replay_loopback
-from harness import Envoy, envoy_config, free_port, wait_until
+from harness import REPO_ROOT, Envoy, envoy_config, free_port, wait_until
 
 
 @pytest.fixture
@@ -129,3 +131,36 @@ def deadline_story(envoy, grpc_upstream):
     assert code == grpc.StatusCode.OK and response.startswith(f"paid {key} #1".encode())
     assert initial["idempotent-replayed"] == "true" and trailing["x-cost"] == "7"
     assert grpc_upstream.effects_of(key) == 1
+
+
+def shipped_grpc_config(upstream_port):
+    """envoy/envoy-grpc.yaml as it ships, on free ports."""
+    with open(os.path.join(REPO_ROOT, "envoy", "envoy-grpc.yaml")) as f:
+        doc = yaml.safe_load(f)
+    doc["admin"]["address"]["socket_address"]["port_value"] = free_port()
+    front, loopback = doc["static_resources"]["listeners"]
+    front["address"]["socket_address"]["port_value"] = free_port()
+    loopback_port = free_port()
+    loopback["address"]["socket_address"]["port_value"] = loopback_port
+    ports = {"grpc_upstream": upstream_port, "idempotency_replay": loopback_port}
+    for c in doc["static_resources"]["clusters"]:
+        (locality,) = c["load_assignment"]["endpoints"]
+        (endpoint,) = locality["lb_endpoints"]
+        endpoint["endpoint"]["address"]["socket_address"]["port_value"] = ports[c["name"]]
+    return doc
+
+
+def test_the_shipped_grpc_config_replays_a_result_with_its_messages(wasm, grpc_upstream):
+    envoy = Envoy(None, grpc_upstream.port, bootstrap=shipped_grpc_config(grpc_upstream.port))
+    try:
+        key = uuid.uuid4().hex
+        first = pay(envoy.port, key)
+        assert first[0] == grpc.StatusCode.OK, first
+        again = pay(envoy.port, key)
+        assert again[:2] == first[:2] and again[2]["idempotent-replayed"] == "true"
+        assert again[3]["x-cost"] == "7"
+        assert grpc_upstream.effects_of(key) == 1
+        # Detached: the first answer goes through the loopback too, then the replay.
+        assert envoy.stat("cluster.idempotency_replay.upstream_rq_total") == 2
+    finally:
+        envoy.stop()
