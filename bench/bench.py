@@ -47,7 +47,9 @@ same number of requests without a key on the same listener.
 Writes docs/bench/results.json, results.md and chart.svg; the last three lines printed are
 `FLOOR passthrough=<W0/A GET> first_call=<W3/A> first_call_router=<W1/A> local_answer=<W2/C>`,
 `VS_FLOOR passthrough=<B1/W0> first_call=<B2 detached/W3> first_call_router=<B2 router/W1>
-replay=<B3/W2> conflict=<B4/W2>` and, last,
+replay=<B3/W4> conflict=<B4/W5> replay_w2=<B3/W2> conflict_w2=<B4/W2>` (W4 and W5 answer with
+the same status, headers and body as the plugin's replay and 409, probed from the plugin before
+the run: the fair floors) and, last,
 `RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`;
 with etcd, after them, `FLEET first_call=<B2 etcd/B2 detached> replay=<B3 etcd/B3>` and
 `FLEET_COST` (etcd requests and etcd CPU µs per first call; `cpu_bound`: the FLEET first_call
@@ -135,6 +137,12 @@ CASES = [
     # whole request and answers 201; the upstream must see none of these requests.
     {"id": "W2", "label": "W2: a Wasm filter answering by itself", "listener": "wasm_local",
      "script": "fixed", "expect": "local"},
+    # The fair floors of B3 and B4: a Wasm filter answering with the same status, headers
+    # and body as the plugin's replay (W4) and its 409 (W5), probed before the run.
+    {"id": "W4", "label": "W4: a Wasm filter answering as the replay does", "listener": "wasm_replay",
+     "script": "fixed", "expect": "local"},
+    {"id": "W5", "label": "W5: a Wasm filter answering as the 409 does", "listener": "wasm_conflict",
+     "script": "fixed", "expect": "local_error"},
     {"id": "B3", "label": "B3: plugin, replay", "listener": "plugin",
      "script": "fixed", "expect": "replayed"},
     {"id": "B4", "label": "B4: plugin, conflict (409)", "listener": "plugin",
@@ -255,24 +263,61 @@ def plugin(config, name, wasm):
     return wasm_filter(config, vm_id=f"bench_{name}", wasm=wasm)
 
 
-def control(mode, wasm):
+def control(mode, wasm, name=None):
     """The control filter (bench/controls/) in `mode`, in VMs of its own."""
-    return wasm_filter(mode, vm_id=f"bench_control_{mode}", wasm=wasm, name="bench_control",
+    return wasm_filter(mode, vm_id=f"bench_control_{name or mode}", wasm=wasm, name="bench_control",
                        root_id="bench_control")
 
 
-def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacity, cpus):
-    ports = {n: free_port() for n in ("bare", "local", "plugin", "router", "etcd",
-                                      "wasm_noop", "wasm_local", "wasm_buffer", "wasm_detach")}
+def answer_mode(resp):
+    """The control mode that answers as `resp` did (all its headers but content-length)."""
+    headers = "".join(f"{n}: {v}\n" for n, v in resp.headers if n.lower() != "content-length")
+    return f"answer:{resp.status}\n{headers}\n{resp.body.decode()}"
+
+
+def probe_answers(wasm, upstream_port, slow_port, cpus):
+    """The plugin's replay and its 409 as a client gets them, from an Envoy of their own: the
+    answers of the controls W4 and W5."""
+    port = free_port()
+    conf = {"namespace": "bench_probe", "lease_ms": 2000}
+    env = EnvoyProc("probe", bootstrap(
+        [listener("plugin", port, [SLOW_ROUTE, to_cluster("upstream")], [plugin(conf, "probe", wasm)])],
+        [static_cluster("upstream", upstream_port), static_cluster("slow", slow_port)]), concurrency=1, cpus=cpus)
+    try:
+        key = f"probe-{os.urandom(4).hex()}"
+        post(port, key)
+        replay = post(port, key)
+        sock = open_slow_call(port, key + "-slow", 10_000)
+        try:
+            deadline = time.monotonic() + 5
+            while env.counters().get("claimed", 0) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            conflict = post(port, key + "-slow")
+        finally:
+            sock.close()
+    finally:
+        env.stop()
+    if replay.header("idempotent-replayed") != "true" or conflict.status != 409:
+        raise RuntimeError(f"probe: replay {replay.status}, conflict {conflict.status}")
+    return answer_mode(replay), answer_mode(conflict)
+
+
+SLOW_ROUTE = {"match": {"prefix": "/", "headers": [{"name": "x-bench-slow", "present_match": True}]},
+              "route": {"cluster": "slow", "timeout": "60s"}}
+
+
+def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacity, cpus,
+                answers=None):
+    """`answers`: the control modes of W4 and W5 (probe_answers)."""
+    controls = ("wasm_noop", "wasm_local", "wasm_buffer", "wasm_detach", "wasm_replay", "wasm_conflict")
+    ports = {n: free_port() for n in ("bare", "local", "plugin", "router", "etcd", *controls)}
     base = {"capacity": capacity}
     # lease_ms 2000 (renewed every 500 ms): the conflict case's slow call (several seconds)
     # only stays in progress because its lease is renewed.
     p_conf = dict(base, namespace="bench_plugin", lease_ms=2000)
     r_conf = dict(base, namespace="bench_router", forward="router")
     e_conf = {"namespace": "bench_etcd", "store": {"kind": "etcd", "cluster": "etcd"}}
-    slow_route = {"match": {"prefix": "/", "headers": [
-        {"name": "x-bench-slow", "present_match": True}]},
-        "route": {"cluster": "slow", "timeout": "60s"}}
+    slow_route = SLOW_ROUTE
     listeners = [
         listener("bare", ports["bare"], [to_cluster("upstream")]),
         listener("local", ports["local"], [direct(201, UPSTREAM_BODY)], [BUFFER]),
@@ -293,9 +338,13 @@ def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacit
             # The root sends to the cluster "upstream"; the route is never taken.
             listener("wasm_detach", ports["wasm_detach"], [to_cluster("upstream")],
                      [control("detach", control_wasm)]),
+            listener("wasm_replay", ports["wasm_replay"], [to_cluster("upstream")],
+                     [control(answers[0], control_wasm, name="replay")]),
+            listener("wasm_conflict", ports["wasm_conflict"], [to_cluster("upstream")],
+                     [control(answers[1], control_wasm, name="conflict")]),
         ]
     else:
-        for name in ("wasm_noop", "wasm_local", "wasm_buffer", "wasm_detach"):
+        for name in controls:
             del ports[name]
     clusters = [static_cluster("upstream", upstream_port), static_cluster("slow", slow_port)]
     if etcd_port:
@@ -420,7 +469,12 @@ def check_run(case, r, delta, connections):
     if n == 0:
         return bad + ["no request completed"]
     expect = case["expect"]
-    if expect == "conflict":
+    if expect == "local_error":
+        if r["status_errors"] != n:
+            bad.append(f"{n - r['status_errors']} of {n} answers were not the control's 409")
+        if delta.get("upstream_rq", 0):
+            bad.append(f"{delta['upstream_rq']} requests reached the upstream")
+    elif expect == "conflict":
         if r["status_errors"] != n:
             bad.append(f"{n - r['status_errors']} of {n} answers were not errors (409 expected)")
         if delta.get("conflict", 0) < n:
@@ -553,8 +607,9 @@ def main():
         up = upstream_envoy(args.cpus_upstream)
         procs.append(up)
         t0 = time.monotonic()
+        answers = probe_answers(wasm, up.port, slow.port, args.cpus_envoy) if control_wasm else None
         front = front_envoy(wasm, control_wasm, up.port, slow.port, etcd.port if etcd else None,
-                            args.capacity, args.cpus_envoy)
+                            args.capacity, args.cpus_envoy, answers)
         procs.append(front)
         log(f"envoy under test ready in {time.monotonic() - t0:.1f} s (pid {front.pid}, "
             f"upstream envoy pid {up.pid}); pinning: envoy={args.cpus_envoy or 'any'} "
@@ -621,7 +676,7 @@ def main():
                 if status != 409:
                     raise RuntimeError(f"the slow call's key answers {status}, not 409")
             before = front.counters()
-            if case["expect"] == "local":
+            if case["expect"] in ("local", "local_error"):
                 before["upstream_rq"] = front.cluster_requests()
             on_etcd = case["id"] in ETCD_CASES
             etcd_rq0 = front.cluster_requests("etcd") if on_etcd else 0
@@ -639,7 +694,7 @@ def main():
                     r["etcd_rq_per_req"] = (front.cluster_requests("etcd") - etcd_rq0) / n
                 time.sleep(0.2)  # let the last in-flight detached calls complete
                 after = front.counters()
-                if case["expect"] == "local":
+                if case["expect"] in ("local", "local_error"):
                     after["upstream_rq"] = front.cluster_requests()
                 if case["id"] == "B4":
                     # The mark outlived several lease_ms thanks to renewal: still 409 now.
@@ -877,8 +932,9 @@ def compute_floor(summary, field):
     return ({"passthrough": ratio("W0", "A_GET"), "first_call": ratio("W3", "A"),
              "first_call_router": ratio("W1", "A"), "local_answer": ratio("W2", "C")},
             {"passthrough": ratio("B1", "W0"), "first_call": ratio("B2_detached", "W3"),
-             "first_call_router": ratio("B2_router", "W1"), "replay": ratio("B3", "W2"),
-             "conflict": ratio("B4", "W2")})
+             "first_call_router": ratio("B2_router", "W1"), "replay": ratio("B3", "W4"),
+             "conflict": ratio("B4", "W5"), "replay_w2": ratio("B3", "W2"),
+             "conflict_w2": ratio("B4", "W2")})
 
 
 def table_lines(summary):
@@ -980,10 +1036,14 @@ def markdown(res):
         f"{cpu_vs_floor['first_call']:.2f} | claim and store, detached |",
         f"| first_call_router = B2 router/W1 | {vs_floor['first_call_router']:.2f} | "
         f"{cpu_vs_floor['first_call_router']:.2f} | claim and store, router |",
-        f"| replay = B3/W2 | {vs_floor['replay']:.2f} | {cpu_vs_floor['replay']:.2f} | "
-        "the plugin's replay against a minimal local answer |",
-        f"| conflict = B4/W2 | {vs_floor['conflict']:.2f} | {cpu_vs_floor['conflict']:.2f} | "
-        "the plugin's 409 against a minimal local answer |",
+        f"| replay = B3/W4 | {vs_floor['replay']:.2f} | {cpu_vs_floor['replay']:.2f} | "
+        "the plugin's replay against a Wasm filter sending the same answer |",
+        f"| conflict = B4/W5 | {vs_floor['conflict']:.2f} | {cpu_vs_floor['conflict']:.2f} | "
+        "the plugin's 409 against a Wasm filter sending the same 409 |",
+        f"| replay_w2 = B3/W2 | {vs_floor['replay_w2']:.2f} | {cpu_vs_floor['replay_w2']:.2f} | "
+        "the replay against a minimal local answer (one header) |",
+        f"| conflict_w2 = B4/W2 | {vs_floor['conflict_w2']:.2f} | {cpu_vs_floor['conflict_w2']:.2f} | "
+        "the 409 against a minimal local answer |",
         "",
         *fleet_lines(res.get("fleet") or {}),
         "## Memory",

@@ -16,6 +16,9 @@
 //!   with the upstream's status, headers and body (case W3, the floor of the plugin's first
 //!   call in `forward: "detached"`, which must send from the root so that the call outlives
 //!   the client's stream);
+//! - "answer:<status>\n<name>: <value>\n…\n\n<body>": as "local", but answers with this
+//!   status, these headers and this body (cases W4 and W5: the same answer as the plugin's
+//!   replay and its 409, so that B3 and B4 are judged against a floor that sends as much);
 //! - "calls:<kind>:<n>": makes n host calls of one kind in each request's header callback,
 //!   then Continue (bench/hostcalls.py: what one host call costs Envoy, against "noop").
 use proxy_wasm::traits::*;
@@ -48,6 +51,8 @@ thread_local! {
     /// stream the client reset (wrk does at the end of a run) re-enters a context the SDK has
     /// dropped and panics the VM (SPEC §4); the plugin keeps the same set.
     static LIVE: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
+    /// Mode "answer": what every request is answered with.
+    static ANSWER: RefCell<(u32, Vec<(String, String)>, Vec<u8>)> = const { RefCell::new((201, Vec::new(), Vec::new())) };
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -55,6 +60,7 @@ enum Mode {
     Noop,
     Headers,
     Local,
+    Answer,
     Buffer,
     Detach,
     Calls(Call, u32),
@@ -151,6 +157,11 @@ impl RootContext for Root {
             "local" => Mode::Local,
             "buffer" => Mode::Buffer,
             "detach" => Mode::Detach,
+            other if other.starts_with("answer:") => {
+                let Some(answer) = parse_answer(&other["answer:".len()..]) else { return false };
+                ANSWER.with(|a| *a.borrow_mut() = answer);
+                Mode::Answer
+            }
             other => match other.split(':').collect::<Vec<_>>().as_slice() {
                 ["calls", kind, n] => match (Call::parse(kind), n.parse()) {
                     (Some(call), Ok(n)) => Mode::Calls(call, n),
@@ -197,6 +208,15 @@ impl RootContext for Root {
     }
 }
 
+/// "<status>\n<name>: <value>\n…\n\n<body>".
+fn parse_answer(text: &str) -> Option<(u32, Vec<(String, String)>, Vec<u8>)> {
+    let (head, body) = text.split_once("\n\n")?;
+    let mut lines = head.lines();
+    let status = lines.next()?.trim().parse().ok()?;
+    let headers = lines.map(|l| l.split_once(": ").map(|(n, v)| (n.to_string(), v.to_string()))).collect::<Option<_>>()?;
+    Some((status, headers, body.as_bytes().to_vec()))
+}
+
 struct Stream {
     mode: Mode,
     id: u32,
@@ -206,6 +226,14 @@ struct Stream {
 
 impl Stream {
     fn answer(&self) {
+        if self.mode == Mode::Answer {
+            ANSWER.with(|a| {
+                let (status, headers, body) = &*a.borrow();
+                let headers = headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+                self.send_http_response(*status, headers, Some(body));
+            });
+            return;
+        }
         self.send_http_response(201, vec![("content-type", "application/json")], Some(BODY));
     }
 
