@@ -47,9 +47,10 @@ same number of requests without a key on the same listener.
 Writes docs/bench/results.json, results.md and chart.svg; the last three lines printed are
 `FLOOR passthrough=<W0/A GET> first_call=<W3/A> first_call_router=<W1/A> local_answer=<W2/C>`,
 `VS_FLOOR passthrough=<B1/W0> first_call=<B2 detached/W3> first_call_router=<B2 router/W1>
-replay=<B3/W4> conflict=<B4/W5> replay_w2=<B3/W2> conflict_w2=<B4/W2>` (W4 and W5 answer with
-the same status, headers and body as the plugin's replay and 409, probed from the plugin before
-the run: the fair floors) and, last,
+replay=<B3/W4> conflict=<B4/W5> replay_w2=<B3/W2> conflict_w2=<B4/W2> replay_hashed=<B3/W6>
+conflict_hashed=<B4/W7>` (W4 and W5 answer with the same status, headers and body as the
+plugin's replay and 409, probed from the plugin before the run: the fair floors; W6 and W7 also
+compute the three SHA-256 digests every covered request needs) and, last,
 `RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`;
 with etcd, after them, `FLEET first_call=<B2 etcd/B2 detached> replay=<B3 etcd/B3>` and
 `FLEET_COST` (etcd requests and etcd CPU µs per first call; `cpu_bound`: the FLEET first_call
@@ -142,6 +143,12 @@ CASES = [
     {"id": "W4", "label": "W4: a Wasm filter answering as the replay does", "listener": "wasm_replay",
      "script": "fixed", "expect": "local"},
     {"id": "W5", "label": "W5: a Wasm filter answering as the 409 does", "listener": "wasm_conflict",
+     "script": "fixed", "expect": "local_error"},
+    # The same, after the three SHA-256 digests the plugin must compute for every covered
+    # request (store key, body, fingerprint): the limit for a plugin that hashes as ours.
+    {"id": "W6", "label": "W6: W4, hashing as the plugin", "listener": "wasm_replay_hashed",
+     "script": "fixed", "expect": "local"},
+    {"id": "W7", "label": "W7: W5, hashing as the plugin", "listener": "wasm_conflict_hashed",
      "script": "fixed", "expect": "local_error"},
     {"id": "B3", "label": "B3: plugin, replay", "listener": "plugin",
      "script": "fixed", "expect": "replayed"},
@@ -309,7 +316,8 @@ SLOW_ROUTE = {"match": {"prefix": "/", "headers": [{"name": "x-bench-slow", "pre
 def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacity, cpus,
                 answers=None):
     """`answers`: the control modes of W4 and W5 (probe_answers)."""
-    controls = ("wasm_noop", "wasm_local", "wasm_buffer", "wasm_detach", "wasm_replay", "wasm_conflict")
+    controls = ("wasm_noop", "wasm_local", "wasm_buffer", "wasm_detach", "wasm_replay", "wasm_conflict",
+                "wasm_replay_hashed", "wasm_conflict_hashed")
     ports = {n: free_port() for n in ("bare", "local", "plugin", "router", "etcd", *controls)}
     base = {"capacity": capacity}
     # lease_ms 2000 (renewed every 500 ms): the conflict case's slow call (several seconds)
@@ -342,6 +350,10 @@ def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacit
                      [control(answers[0], control_wasm, name="replay")]),
             listener("wasm_conflict", ports["wasm_conflict"], [to_cluster("upstream")],
                      [control(answers[1], control_wasm, name="conflict")]),
+            listener("wasm_replay_hashed", ports["wasm_replay_hashed"], [to_cluster("upstream")],
+                     [control("hashed-" + answers[0], control_wasm, name="replay_hashed")]),
+            listener("wasm_conflict_hashed", ports["wasm_conflict_hashed"], [to_cluster("upstream")],
+                     [control("hashed-" + answers[1], control_wasm, name="conflict_hashed")]),
         ]
     else:
         for name in controls:
@@ -934,7 +946,8 @@ def compute_floor(summary, field):
             {"passthrough": ratio("B1", "W0"), "first_call": ratio("B2_detached", "W3"),
              "first_call_router": ratio("B2_router", "W1"), "replay": ratio("B3", "W4"),
              "conflict": ratio("B4", "W5"), "replay_w2": ratio("B3", "W2"),
-             "conflict_w2": ratio("B4", "W2")})
+             "conflict_w2": ratio("B4", "W2"), "replay_hashed": ratio("B3", "W6"),
+             "conflict_hashed": ratio("B4", "W7")})
 
 
 def table_lines(summary):
@@ -1044,6 +1057,10 @@ def markdown(res):
         "the replay against a minimal local answer (one header) |",
         f"| conflict_w2 = B4/W2 | {vs_floor['conflict_w2']:.2f} | {cpu_vs_floor['conflict_w2']:.2f} | "
         "the 409 against a minimal local answer |",
+        f"| replay_hashed = B3/W6 | {vs_floor['replay_hashed']:.2f} | {cpu_vs_floor['replay_hashed']:.2f} | "
+        "the replay against W4 plus the plugin's three SHA-256 digests |",
+        f"| conflict_hashed = B4/W7 | {vs_floor['conflict_hashed']:.2f} | "
+        f"{cpu_vs_floor['conflict_hashed']:.2f} | the 409 against W5 plus the same digests |",
         "",
         *fleet_lines(res.get("fleet") or {}),
         "## Memory",

@@ -47,6 +47,12 @@ impl Host for Request {
     fn request_body(&self, size: usize) -> Vec<u8> {
         BODY.iter().take(size).copied().collect()
     }
+    fn response_trailers(&self) -> Headers {
+        Vec::new()
+    }
+    fn call_trailers(&self) -> Headers {
+        Vec::new()
+    }
     fn response_headers(&self) -> Headers {
         vec![(":status".into(), b"201".to_vec())]
     }

@@ -19,6 +19,10 @@
 //! - "answer:<status>\n<name>: <value>\n…\n\n<body>": as "local", but answers with this
 //!   status, these headers and this body (cases W4 and W5: the same answer as the plugin's
 //!   replay and its 409, so that B3 and B4 are judged against a floor that sends as much);
+//! - "hashed-answer:…": as "answer", and first computes the three SHA-256 digests the plugin
+//!   must compute for any covered request (the store key over the namespace, host, scope and
+//!   key; the body's digest; the fingerprint over method, path, content-type and that digest):
+//!   cases W6 and W7, the floor of a replay and a 409 for a filter that hashes as the plugin;
 //! - "calls:<kind>:<n>": makes n host calls of one kind in each request's header callback,
 //!   then Continue (bench/hostcalls.py: what one host call costs Envoy, against "noop").
 use proxy_wasm::traits::*;
@@ -53,6 +57,7 @@ thread_local! {
     static LIVE: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
     /// Mode "answer": what every request is answered with.
     static ANSWER: RefCell<(u32, Vec<(String, String)>, Vec<u8>)> = const { RefCell::new((201, Vec::new(), Vec::new())) };
+    static HASHED: RefCell<bool> = const { RefCell::new(false) };
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -157,9 +162,14 @@ impl RootContext for Root {
             "local" => Mode::Local,
             "buffer" => Mode::Buffer,
             "detach" => Mode::Detach,
-            other if other.starts_with("answer:") => {
-                let Some(answer) = parse_answer(&other["answer:".len()..]) else { return false };
+            other if other.starts_with("answer:") || other.starts_with("hashed-answer:") => {
+                let (hashed, text) = match other.strip_prefix("hashed-") {
+                    Some(rest) => (true, rest),
+                    None => (false, other),
+                };
+                let Some(answer) = parse_answer(&text["answer:".len()..]) else { return false };
                 ANSWER.with(|a| *a.borrow_mut() = answer);
+                HASHED.with(|h| *h.borrow_mut() = hashed);
                 Mode::Answer
             }
             other => match other.split(':').collect::<Vec<_>>().as_slice() {
@@ -253,10 +263,35 @@ impl Stream {
                 Action::Pause
             }
             _ => {
+                if self.mode == Mode::Answer && HASHED.with(|h| *h.borrow()) {
+                    std::hint::black_box(self.hash_as_the_plugin(&body));
+                }
                 self.answer();
                 Action::Pause
             }
         }
+    }
+
+    /// The plugin's three digests (src/key.rs, src/fingerprint.rs), fields length-prefixed.
+    fn hash_as_the_plugin(&self, body: &[u8]) -> ([u8; 32], [u8; 32]) {
+        use sha2::{Digest, Sha256};
+        let value = |name: &str| self.headers.iter().find(|(n, _)| n == name).map_or(&[][..], |(_, v)| v.as_slice());
+        let field = |h: &mut Sha256, bytes: &[u8]| {
+            h.update((bytes.len() as u64).to_le_bytes());
+            h.update(bytes);
+        };
+        let mut key = Sha256::new();
+        for part in [b"bench_plugin".as_slice(), value(":authority"), value("authorization"), value("idempotency-key")] {
+            field(&mut key, part);
+        }
+        let digest: [u8; 32] = Sha256::digest(body).into();
+        let mut fingerprint = Sha256::new();
+        for part in [value(":method"), value(":path"), b"content-type".as_slice(), value("content-type")] {
+            field(&mut fingerprint, part);
+        }
+        fingerprint.update(1u64.to_le_bytes());
+        field(&mut fingerprint, &digest);
+        (key.finalize().into(), fingerprint.finalize().into())
     }
 }
 
