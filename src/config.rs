@@ -452,6 +452,11 @@ fn rule(f: &str, v: &Value, base: &Policy) -> Result<Rule, ConfigError> {
 }
 
 impl Policy {
+    /// Whether a gRPC call that ended with `code` releases its key.
+    pub fn releases_grpc(&self, code: u32) -> bool {
+        self.release_grpc_statuses & (1 << code.min(31)) != 0
+    }
+
     /// Sets one field; `Ok(false)` when `name` is not a policy field.
     fn set(&mut self, name: &str, f: &str, v: &Value) -> Result<bool, ConfigError> {
         match name {

@@ -94,10 +94,7 @@ impl GrpcAnswer {
     /// the same status, message and trailing metadata, as trailers-only. `None` for a result
     /// with messages, which a local reply cannot carry (docs/limits.md).
     pub fn replay_of(response: &StoredResponse, replayed: bool) -> Option<GrpcAnswer> {
-        let code = status_of(trailers_and_headers(response))?;
-        if code == OK || !response.body().is_empty() {
-            return None;
-        }
+        let code = trailers_only_status(response)?;
         let mut message = String::new();
         let mut metadata = Vec::new();
         for (name, value) in response.headers() {
@@ -123,6 +120,13 @@ impl GrpcAnswer {
             metadata: vec![("idempotent-replayed".to_string(), b"true".to_vec())],
         }
     }
+}
+
+/// The status of a stored failure without messages: what a trailers-only replay can carry
+/// (`None`: a result that needs the loopback).
+pub fn trailers_only_status(response: &StoredResponse) -> Option<u32> {
+    let code = status_of(trailers_and_headers(response))?;
+    (code != OK && response.body().is_empty()).then_some(code)
 }
 
 /// A stored result with messages, replayed through the loopback: the headers that replace

@@ -408,6 +408,14 @@ def static_cluster(name, port, connect_timeout_s=1, http2=False, host=LOCALHOST)
     return cluster
 
 
+def point_clusters(bootstrap, ports):
+    """Moves each one-endpoint cluster of a shipped config to `ports[cluster name]`."""
+    for c in bootstrap["static_resources"]["clusters"]:
+        (locality,) = c["load_assignment"]["endpoints"]
+        (endpoint,) = locality["lb_endpoints"]
+        endpoint["endpoint"]["address"]["socket_address"]["port_value"] = ports[c["name"]]
+
+
 def wasm_filter(plugin_config, *, vm_id="idempotency", wasm=None, name="idempotency",
                 root_id="idempotency", allow_on_headers_stop_iteration=True):
     """The wasm HTTP filter; plugin_config is a dict (sent as JSON) or a raw string."""

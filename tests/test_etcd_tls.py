@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from etcd_util import Etcd, cluster as etcd_cluster
-from harness import REPO_ROOT, Envoy, free_port
+from harness import REPO_ROOT, Envoy, free_port, point_clusters
 from pki_util import make_pki
 from test_fleet import fleet_config, post, retry_until_final
 import e2e_util
@@ -72,11 +72,8 @@ def shipped_fleet_config(upstream_port, etcds, pki):
     doc["admin"]["address"]["socket_address"]["port_value"] = free_port()
     (listener,) = doc["static_resources"]["listeners"]
     listener["address"]["socket_address"]["port_value"] = free_port()
-    ports = {"demo_upstream": upstream_port, **{n: e.port for n, e in etcds.items()}}
+    point_clusters(doc, {"demo_upstream": upstream_port, **{n: e.port for n, e in etcds.items()}})
     for c in doc["static_resources"]["clusters"]:
-        (locality,) = c["load_assignment"]["endpoints"]
-        (endpoint,) = locality["lb_endpoints"]
-        endpoint["endpoint"]["address"]["socket_address"]["port_value"] = ports[c["name"]]
         if "transport_socket" in c:
             text = json.dumps(c["transport_socket"]).replace(".fleet-pki/", pki["dir"] + "/")
             c["transport_socket"] = json.loads(text)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from grpc_util import GrpcUpstream, pay, with_replay_loopback
-from harness import REPO_ROOT, Envoy, envoy_config, free_port, wait_until
+from harness import REPO_ROOT, Envoy, envoy_config, free_port, point_clusters, wait_until
 
 
 @pytest.fixture
@@ -142,11 +142,7 @@ def shipped_grpc_config(upstream_port):
     front["address"]["socket_address"]["port_value"] = free_port()
     loopback_port = free_port()
     loopback["address"]["socket_address"]["port_value"] = loopback_port
-    ports = {"grpc_upstream": upstream_port, "idempotency_replay": loopback_port}
-    for c in doc["static_resources"]["clusters"]:
-        (locality,) = c["load_assignment"]["endpoints"]
-        (endpoint,) = locality["lb_endpoints"]
-        endpoint["endpoint"]["address"]["socket_address"]["port_value"] = ports[c["name"]]
+    point_clusters(doc, {"grpc_upstream": upstream_port, "idempotency_replay": loopback_port})
     return doc
 
 

@@ -150,7 +150,7 @@ impl<S: Store> Lifecycle<S> {
     fn replays_through_loopback(&self, id: u32, response: &StoredResponse) -> bool {
         self.config.grpc_replay_loopback
             && self.streams.get(&id).is_some_and(|s| s.grpc)
-            && crate::grpc::GrpcAnswer::replay_of(response, true).is_none()
+            && crate::grpc::trailers_only_status(response).is_none()
     }
 
     fn refuse(&mut self, id: u32, counter: Counter, problem: Problem) -> Next {

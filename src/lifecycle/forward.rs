@@ -146,8 +146,7 @@ impl<S: Store> Lifecycle<S> {
         // A gRPC call's status is in its trailers (or headers, trailers-only); none at all
         // is a broken answer.
         let grpc_failed = call.grpc
-            && grpc::status_of(grpc::trailers_and_headers(&response))
-                .is_none_or(|code| p.release_grpc_statuses & (1 << code.min(31)) != 0);
+            && grpc::status_of(grpc::trailers_and_headers(&response)).is_none_or(|code| p.releases_grpc(code));
         let response = match call.owner {
             Some(owner) if grpc_failed || p.release_statuses.contains(response.status()) => {
                 self.release(owner, now);
@@ -294,12 +293,13 @@ impl<S: Store> Lifecycle<S> {
     fn grpc_trailers(&mut self, host: &dyn Host, id: u32) -> Flow {
         let now = host.now_ms();
         let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
-        let release = self.config.policy(stream.policy).release_grpc_statuses;
+        let config = self.config.clone();
+        let p = config.policy(stream.policy);
         let Phase::Owner { owner: Some(owner), capture: Some(c) } = &mut stream.phase else { return Flow::Continue };
         let owner = *owner;
         let trailers = host.response_trailers();
         let code = grpc::status_of(trailers.iter().map(|(n, v)| (n.as_str(), v.as_slice()))).unwrap_or(2);
-        if release & (1 << code.min(31)) != 0 {
+        if p.releases_grpc(code) {
             self.set_phase(id, Phase::Pass);
             self.release(owner, now);
             return Flow::Continue;
@@ -340,7 +340,7 @@ impl<S: Store> Lifecycle<S> {
         let grpc_failed = grpc_call
             && end_of_stream
             && grpc::status_of(headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())))
-                .is_some_and(|code| p.release_grpc_statuses & (1 << code.min(31)) != 0);
+                .is_some_and(|code| p.releases_grpc(code));
         if !via_upstream || p.release_statuses.contains(status) || grpc_failed {
             if !via_upstream {
                 self.count(Counter::UpstreamFailed);
