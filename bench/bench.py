@@ -33,8 +33,12 @@ plugin costs above that floor.
 
 Load: wrk (one thread pinned to core 1, 32 keep-alive connections, 4 s per run) with
 bench/unique.lua (a new Idempotency-Key per request) or bench/fixed.lua (one request,
-formatted once). The cases are interleaved: every round runs every case, in an order rotated
-by one each round (5 rounds); the figures are the medians over the rounds. Every run is
+formatted once). Every listener splits wrk's connections evenly over Envoy's two workers
+(exact_balance). The cases are interleaved: every round runs every case, grouped (each plugin
+case beside the floors it is judged against, so a ratio compares runs seconds apart), the
+groups rotated by one each round and run backwards every other round (5 rounds). The table's
+figures are the medians over the rounds; each ratio is the median over the rounds of that
+round's ratio (paired), so that the machine's drift from one round to the next cancels. Every run is
 checked: statuses (wrk counts answers > 399) and the plugin's own counters (claimed,
 completed, replayed, conflict) must say that the path under test is the one that ran. The
 CPU time the Envoy under test used per request is recorded too: it moves less than req/s
@@ -108,55 +112,59 @@ JSON_HEADER = [{"header": {"key": "content-type", "value": "application/json"},
 # expect: what every answer must be, checked with wrk's error count and the plugin's counters.
 CASES = [
     # Through the upstream: against A.
-    {"id": "A", "label": "A: Envoy, no plugin (POST)", "listener": "bare",
+    {"id": "A", "group": "first", "label": "A: Envoy, no plugin (POST)", "listener": "bare",
      "script": "unique", "method": "POST", "expect": "2xx"},
     # B1's request (a GET) without the plugin: a POST costs Envoy more (its body), so B1 is
     # compared with the same GET.
-    {"id": "A_GET", "label": "A: Envoy, no plugin (GET)", "listener": "bare",
+    {"id": "A_GET", "group": "pass", "label": "A: Envoy, no plugin (GET)", "listener": "bare",
      "script": "unique", "method": "GET", "expect": "2xx"},
     # The floor of any Wasm filter on B1's path: the control filter, doing nothing.
-    {"id": "W0", "label": "W0: a Wasm filter that does nothing (GET)", "listener": "wasm_noop",
+    {"id": "W0", "group": "pass", "label": "W0: a Wasm filter that does nothing (GET)", "listener": "wasm_noop",
      "script": "unique", "method": "GET", "expect": "2xx"},
-    {"id": "B1", "label": "B1: plugin, request not covered (GET)", "listener": "plugin",
+    # The least a filter covering some methods must do on a request it does not cover: read
+    # its method (one header lookup), then let it go.
+    {"id": "W8", "group": "pass", "label": "W8: a Wasm filter reading the method (GET)",
+     "listener": "wasm_method", "script": "unique", "method": "GET", "expect": "2xx"},
+    {"id": "B1", "group": "pass", "label": "B1: plugin, request not covered (GET)", "listener": "plugin",
      "script": "unique", "method": "GET", "expect": "2xx"},
     # The floors of any Wasm filter on B2's paths: the control filter reads the whole request,
     # then lets the router send it (W1), or has its root send it and answers itself (W3).
-    {"id": "W1", "label": "W1: a Wasm filter reading the request, router", "listener": "wasm_buffer",
+    {"id": "W1", "group": "router", "label": "W1: a Wasm filter reading the request, router", "listener": "wasm_buffer",
      "script": "unique", "method": "POST", "expect": "2xx"},
-    {"id": "W3", "label": "W3: a Wasm filter reading the request, root sends it",
+    {"id": "W3", "group": "first", "label": "W3: a Wasm filter reading the request, root sends it",
      "listener": "wasm_detach", "script": "unique", "method": "POST", "expect": "2xx"},
-    {"id": "B2_detached", "label": "B2: plugin, first call, detached", "listener": "plugin",
+    {"id": "B2_detached", "group": "first", "label": "B2: plugin, first call, detached", "listener": "plugin",
      "script": "unique", "method": "POST", "expect": "claimed"},
-    {"id": "B2_router", "label": "B2: plugin, first call, router", "listener": "router",
+    {"id": "B2_router", "group": "router", "label": "B2: plugin, first call, router", "listener": "router",
      "script": "unique", "method": "POST", "expect": "claimed"},
-    {"id": "B2_etcd", "label": "B2: plugin, first call, etcd store", "listener": "etcd",
+    {"id": "B2_etcd", "group": "first", "label": "B2: plugin, first call, etcd store", "listener": "etcd",
      "script": "unique", "method": "POST", "expect": "claimed"},
     # Answered by Envoy itself: against C.
-    {"id": "C", "label": "C: Envoy answers by itself", "listener": "local",
+    {"id": "C", "group": "local", "label": "C: Envoy answers by itself", "listener": "local",
      "script": "fixed", "expect": "2xx"},
     # The floor of any Wasm filter answering by itself (B3, B4): the control filter reads the
     # whole request and answers 201; the upstream must see none of these requests.
-    {"id": "W2", "label": "W2: a Wasm filter answering by itself", "listener": "wasm_local",
+    {"id": "W2", "group": "local", "label": "W2: a Wasm filter answering by itself", "listener": "wasm_local",
      "script": "fixed", "expect": "local"},
     # The fair floors of B3 and B4: a Wasm filter answering with the same status, headers
     # and body as the plugin's replay (W4) and its 409 (W5), probed before the run.
-    {"id": "W4", "label": "W4: a Wasm filter answering as the replay does", "listener": "wasm_replay",
+    {"id": "W4", "group": "replay", "label": "W4: a Wasm filter answering as the replay does", "listener": "wasm_replay",
      "script": "fixed", "expect": "local"},
-    {"id": "W5", "label": "W5: a Wasm filter answering as the 409 does", "listener": "wasm_conflict",
+    {"id": "W5", "group": "conflict", "label": "W5: a Wasm filter answering as the 409 does", "listener": "wasm_conflict",
      "script": "fixed", "expect": "local_error"},
     # The same, after the three SHA-256 digests the plugin must compute for every covered
     # request (store key, body, fingerprint): the limit for a plugin that hashes as ours.
-    {"id": "W6", "label": "W6: W4, hashing as the plugin", "listener": "wasm_replay_hashed",
+    {"id": "W6", "group": "replay", "label": "W6: W4, hashing as the plugin", "listener": "wasm_replay_hashed",
      "script": "fixed", "expect": "local"},
-    {"id": "W7", "label": "W7: W5, hashing as the plugin", "listener": "wasm_conflict_hashed",
+    {"id": "W7", "group": "conflict", "label": "W7: W5, hashing as the plugin", "listener": "wasm_conflict_hashed",
      "script": "fixed", "expect": "local_error"},
-    {"id": "B3", "label": "B3: plugin, replay", "listener": "plugin",
+    {"id": "B3", "group": "replay", "label": "B3: plugin, replay", "listener": "plugin",
      "script": "fixed", "expect": "replayed"},
-    {"id": "B4", "label": "B4: plugin, conflict (409)", "listener": "plugin",
+    {"id": "B4", "group": "conflict", "label": "B4: plugin, conflict (409)", "listener": "plugin",
      "script": "fixed", "expect": "conflict"},
     # Fleet mode's replay: the Envoy that completed the key replays it from its own copy
     # (store.local_replays); against B3.
-    {"id": "B3_etcd", "label": "B3: plugin, replay, etcd store", "listener": "etcd",
+    {"id": "B3_etcd", "group": "replay", "label": "B3: plugin, replay, etcd store", "listener": "etcd",
      "script": "fixed", "expect": "replayed"},
 ]
 ETCD_CASES = ("B2_etcd", "B3_etcd")
@@ -227,6 +235,11 @@ def listener(name, port, routes, filters=()):
     return {
         "name": name,
         "address": {"socket_address": {"address": LOCALHOST, "port_value": port}},
+        # wrk's connections split evenly over the two workers: the kernel's reuse_port hash
+        # may give one worker 20 of 32, and that worker alone then sets the pace (the same
+        # case moved by up to 50 % between rounds).
+        "enable_reuse_port": False,
+        "connection_balance_config": {"exact_balance": {}},
         "filter_chains": [{"filters": [{
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": {
@@ -316,7 +329,7 @@ SLOW_ROUTE = {"match": {"prefix": "/", "headers": [{"name": "x-bench-slow", "pre
 def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacity, cpus,
                 answers=None):
     """`answers`: the control modes of W4 and W5 (probe_answers)."""
-    controls = ("wasm_noop", "wasm_local", "wasm_buffer", "wasm_detach", "wasm_replay", "wasm_conflict",
+    controls = ("wasm_noop", "wasm_method", "wasm_local", "wasm_buffer", "wasm_detach", "wasm_replay", "wasm_conflict",
                 "wasm_replay_hashed", "wasm_conflict_hashed")
     ports = {n: free_port() for n in ("bare", "local", "plugin", "router", "etcd", *controls)}
     base = {"capacity": capacity}
@@ -338,12 +351,14 @@ def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacit
         listeners += [
             listener("wasm_noop", ports["wasm_noop"], [to_cluster("upstream")],
                      [control("noop", control_wasm)]),
+            listener("wasm_method", ports["wasm_method"], [to_cluster("upstream")],
+                     [control("calls:header:1", control_wasm, name="method")]),
             # Routed to the upstream: an answer from there would be a failure of the case.
             listener("wasm_local", ports["wasm_local"], [to_cluster("upstream")],
                      [control("local", control_wasm)]),
             listener("wasm_buffer", ports["wasm_buffer"], [to_cluster("upstream")],
                      [control("buffer", control_wasm)]),
-            # The root sends to the cluster "upstream"; the route is never taken.
+            # The root sends to the route's cluster (read as the plugin reads it).
             listener("wasm_detach", ports["wasm_detach"], [to_cluster("upstream")],
                      [control("detach", control_wasm)]),
             listener("wasm_replay", ports["wasm_replay"], [to_cluster("upstream")],
@@ -540,6 +555,20 @@ def machine_info():
     }
 
 
+def round_order(cases, rnd):
+    """The cases of round `rnd`: each group (a plugin case and the floors it is judged
+    against) runs back to back, so that a ratio compares runs seconds apart; the groups'
+    order rotates by one each round and every other round runs each group backwards, so that
+    no case always runs first or after the same neighbour."""
+    by_group = {}
+    for c in cases:
+        by_group.setdefault(c["group"], []).append(c)
+    groups = list(by_group.values())
+    k = rnd % len(groups) if groups else 0
+    groups = groups[k:] + groups[:k]
+    return [c for g in groups for c in (g if rnd % 2 == 0 else g[::-1])]
+
+
 def median(xs):
     return statistics.median(xs) if xs else 0.0
 
@@ -727,8 +756,7 @@ def main():
         log(f"measuring: {len(cases)} cases x {args.rounds} rounds x {args.duration} s, "
             f"wrk -t{args.threads} -c{args.connections}, interleaved")
         for rnd in range(args.rounds):
-            order = cases[rnd % len(cases):] + cases[:rnd % len(cases)]
-            for case in order:
+            for case in round_order(cases, rnd):
                 r, delta = run_case(case, args.duration, f"r{rnd}")
                 bad = check_run(case, r, delta, args.connections)
                 r["round"] = rnd
@@ -768,11 +796,11 @@ def main():
 
     info["loadavg_end"] = os.getloadavg()[0]
     summary = summarize(cases, runs)
-    ratios = compute_ratios(summary)
-    cpu_ratios = compute_cpu_ratios(summary)
-    floor, vs_floor = compute_floor(summary, "rps")
-    cpu_floor, cpu_vs_floor = compute_floor(summary, "envoy_cpu_us")
-    fleet = compute_fleet(summary)
+    ratios = compute_ratios(runs)
+    cpu_ratios = compute_ratios(runs, "envoy_cpu_us")
+    floor, vs_floor = compute_floor(runs, "rps")
+    cpu_floor, cpu_vs_floor = compute_floor(runs, "envoy_cpu_us")
+    fleet = compute_fleet(summary, runs)
     results = {
         "machine": info,
         "method": {
@@ -892,36 +920,37 @@ def summarize(cases, runs):
     return out
 
 
-def compute_ratios(summary):
-    rps = {s["id"]: s["rps"] for s in summary}
+def paired(runs, field):
+    """ratio(a, b): the median over rounds of a's `field` over b's in the same round (the two
+    ran seconds apart, see round_order), so that the machine's drift between rounds cancels."""
+    by_round = {cid: {r["round"]: r[field] for r in rs} for cid, rs in runs.items()}
 
     def ratio(a, b):
-        return rps[a] / rps[b] if rps.get(a) and rps.get(b) else float("nan")
+        xs, ys = by_round.get(a, {}), by_round.get(b, {})
+        per_round = [xs[k] / ys[k] for k in xs if k in ys and ys[k]]
+        return median(per_round) if per_round else float("nan")
+    return ratio
+
+
+def compute_ratios(runs, field="rps"):
+    """Against Envoy alone; with field "envoy_cpu_us", as CPU per request (cost x)."""
+    ratio = paired(runs, field)
     return {"passthrough": ratio("B1", "A_GET"), "first_call": ratio("B2_detached", "A"),
             "replay": ratio("B3", "C"), "conflict": ratio("B4", "C")}
 
 
-def compute_cpu_ratios(summary):
-    """The same pairs as the RATIOS, as CPU per request of the Envoy under test (cost x)."""
-    cpu = {s["id"]: s["envoy_cpu_us"] for s in summary}
-
-    def ratio(a, b):
-        return cpu[a] / cpu[b] if cpu.get(a) and cpu.get(b) else float("nan")
-    return {"passthrough": ratio("B1", "A_GET"), "first_call": ratio("B2_detached", "A"),
-            "replay": ratio("B3", "C"), "conflict": ratio("B4", "C")}
-
-
-def compute_fleet(summary):
+def compute_fleet(summary, runs):
     """Fleet mode against one Envoy (req/s, same run), what etcd costs, and the limit the
     machine puts on it: with every core busy, first calls/s are at most cores / (CPU per
     request of every process on the path), so etcd's CPU caps the ratio at `cpu_bound`."""
     s = {x["id"]: x for x in summary}
     if "B2_etcd" not in s or "B2_detached" not in s:
         return {}
+    ratio = paired(runs, "rps")
     etcd, shared = s["B2_etcd"], s["B2_detached"]
-    out = {"first_call": etcd["rps"] / shared["rps"]}
+    out = {"first_call": ratio("B2_etcd", "B2_detached")}
     if "B3_etcd" in s and "B3" in s:
-        out["replay"] = s["B3_etcd"]["rps"] / s["B3"]["rps"]
+        out["replay"] = ratio("B3_etcd", "B3")
     path = shared["envoy_cpu_us"] + shared["upstream_cpu_us"]
     path_etcd = etcd["envoy_cpu_us"] + etcd["upstream_cpu_us"] + etcd["etcd_cpu_us"]
     out.update({"etcd_rq_per_first_call": etcd["etcd_rq_per_req"],
@@ -932,22 +961,21 @@ def compute_fleet(summary):
     return out
 
 
-def compute_floor(summary, field):
-    """The controls against Envoy alone (floor), the plugin against the controls (vs_floor).
+def compute_floor(runs, field):
+    """The controls against Envoy alone (floor), the plugin against the controls (vs_floor),
+    paired by round.
 
     field "rps": ratios of req/s; "envoy_cpu_us": ratios of CPU per request (cost x).
     """
-    v = {s["id"]: s[field] for s in summary}
-
-    def ratio(a, b):
-        return v[a] / v[b] if v.get(a) and v.get(b) else float("nan")
+    ratio = paired(runs, field)
     return ({"passthrough": ratio("W0", "A_GET"), "first_call": ratio("W3", "A"),
-             "first_call_router": ratio("W1", "A"), "local_answer": ratio("W2", "C")},
+             "first_call_router": ratio("W1", "A"), "local_answer": ratio("W2", "C"),
+             "method_read": ratio("W8", "W0")},
             {"passthrough": ratio("B1", "W0"), "first_call": ratio("B2_detached", "W3"),
              "first_call_router": ratio("B2_router", "W1"), "replay": ratio("B3", "W4"),
-             "conflict": ratio("B4", "W5"), "replay_w2": ratio("B3", "W2"),
-             "conflict_w2": ratio("B4", "W2"), "replay_hashed": ratio("B3", "W6"),
-             "conflict_hashed": ratio("B4", "W7")})
+             "conflict": ratio("B4", "W5"), "passthrough_method": ratio("B1", "W8"),
+             "replay_w2": ratio("B3", "W2"), "conflict_w2": ratio("B4", "W2"),
+             "replay_hashed": ratio("B3", "W6"), "conflict_hashed": ratio("B4", "W7")})
 
 
 def table_lines(summary):
@@ -1004,8 +1032,9 @@ def markdown(res):
         f"Generated by `make bench` (bench/bench.py) on {m['date']}. Figures are medians of "
         f"{meth['rounds']} interleaved rounds of `wrk {meth['wrk']}` per case "
         f"(after {meth['warmup_s']} s of warm-up per case); min–max is the spread over the "
-        "rounds. The machine is shared: absolute numbers move from run to run, the ratios "
-        "within one run are the result.",
+        "rounds. Each ratio below is the median over the rounds of that round's ratio: the "
+        "two cases of a ratio run back to back in every round. The machine is shared: "
+        "absolute numbers move from run to run, the ratios within one run are the result.",
         "",
         "![req/s per case](chart.svg)",
         "",
@@ -1040,6 +1069,9 @@ def markdown(res):
         f"{cpu_floor['first_call_router']:.2f} | a Wasm filter reading the request first |",
         f"| local_answer = W2/C | {floor['local_answer']:.2f} | "
         f"{cpu_floor['local_answer']:.2f} | a Wasm filter answering by itself |",
+        f"| method_read = W8/W0 (GET) | {floor['method_read']:.2f} | "
+        f"{cpu_floor['method_read']:.2f} | one header lookup (`:method`), the least a filter "
+        "covering some methods does on the others |",
         "",
         "| against the floor (req/s) | value | Envoy CPU per request (×) | meaning |",
         "|---|---:|---:|---|",
@@ -1053,6 +1085,9 @@ def markdown(res):
         "the plugin's replay against a Wasm filter sending the same answer |",
         f"| conflict = B4/W5 | {vs_floor['conflict']:.2f} | {cpu_vs_floor['conflict']:.2f} | "
         "the plugin's 409 against a Wasm filter sending the same 409 |",
+        f"| passthrough_method = B1/W8 | {vs_floor['passthrough_method']:.2f} | "
+        f"{cpu_vs_floor['passthrough_method']:.2f} | the plugin on a request it does not cover, "
+        "against a Wasm filter reading its method |",
         f"| replay_w2 = B3/W2 | {vs_floor['replay_w2']:.2f} | {cpu_vs_floor['replay_w2']:.2f} | "
         "the replay against a minimal local answer (one header) |",
         f"| conflict_w2 = B4/W2 | {vs_floor['conflict_w2']:.2f} | {cpu_vs_floor['conflict_w2']:.2f} | "

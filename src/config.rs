@@ -163,6 +163,9 @@ pub struct Config {
     /// Bytes each worker buffers for requests in flight: router-mode captures of answers and
     /// the bodies of held duplicates.
     pub max_buffered_bytes: usize,
+    /// Bytes of replayed responses each worker keeps, so that the next replay of the same
+    /// entry reads the store once (its bucket), not twice.
+    pub replay_cache_bytes: usize,
     pub store: StoreConfig,
     /// The request header that carries a first call's fencing token upstream (SPEC §3.9);
     /// the client's own value is removed from every request.
@@ -215,6 +218,7 @@ impl Default for Config {
             max_store_bytes: 128 << 20,
             max_waiters: 1_024,
             max_buffered_bytes: 16 << 20,
+            replay_cache_bytes: 256 << 10,
             store: StoreConfig::SharedData,
             fencing_header: None,
             grpc_replay_loopback: false,
@@ -283,6 +287,7 @@ impl Config {
                 "max_store_bytes" => c.max_store_bytes = int(f, v, 0, MAX_STORE_BYTES)?,
                 "max_waiters" => c.max_waiters = int(f, v, 0, 1 << 20)? as usize,
                 "max_buffered_bytes" => c.max_buffered_bytes = int(f, v, 0, 1 << 30)? as usize,
+                "replay_cache_bytes" => c.replay_cache_bytes = int(f, v, 0, 64 << 20)? as usize,
                 "store" => c.store = store(f, v)?,
                 "fencing_header" => c.fencing_header = Some(header_name(f, v)?),
                 "grpc_replays" => {
@@ -793,6 +798,8 @@ mod tests {
             (r#"{"lease_ms":"10s"}"#, "lease_ms"),
             (r#"{"lease_ms":0}"#, "lease_ms"),
             (r#"{"lease":1000}"#, "lease"),
+            (r#"{"replay_cache_bytes":67108865}"#, "replay_cache_bytes"),
+            (r#"{"routes":[{"match":{"prefix":"/"},"replay_cache_bytes":0}]}"#, "routes[0].replay_cache_bytes"),
             (r#"{"methods":["PO ST"]}"#, "methods[0]"),
             (r#"{"release_statuses":[200,"6xx"]}"#, "release_statuses[1]"),
             (r#"{"release_statuses":[99]}"#, "release_statuses[0]"),

@@ -237,12 +237,13 @@ impl<S: Store> Lifecycle<S> {
         if let Some(name) = &config.fencing_header {
             self.effects.push(Effect::SetRequestHeader { stream: id, name: name.clone(), value: None });
         }
-        let (policy, method) = request::policy_for(&config, host);
+        let read = request::policy_for(&config, host, end_of_stream);
+        let policy = read.policy;
         let p = config.policy(policy);
-        if !p.enabled || !p.methods.iter().any(|m| m.as_bytes() == method.as_slice()) {
+        if !p.enabled || !p.methods.iter().any(|m| m.as_bytes() == read.method.as_slice()) {
             return Flow::Continue;
         }
-        let (covered, grpc) = request::read_headers(&config, p, &method, host);
+        let (covered, grpc) = request::read_headers(&config, p, &read.method, read.headers, host);
         let flow = match covered {
             Covered::No => Flow::Continue,
             Covered::Refused(problem, counter) => {

@@ -29,23 +29,46 @@ pub enum Covered {
     Yes(Box<Pending>),
 }
 
-/// The policy (base or rule) for a request: its method, path and route name decide.
-pub fn policy_for(config: &Config, host: &dyn Host) -> (usize, Vec<u8>) {
-    // Requests we do not cover cost one header lookup (two or three with route rules).
-    let method = host.request_header(":method").unwrap_or_default();
-    if config.rules.is_empty() {
-        return (0, method);
-    }
-    let path = host.request_header(":path").unwrap_or_default();
-    let by_route = config.rules.iter().any(|r| matches!(r.matcher, RouteMatch::RouteName(_)));
-    let route_name = if by_route { host.property(&["xds", "route_name"]) } else { None };
-    (config.policy_for(&path, &method, route_name.as_deref()), method)
+/// What the policy decision read of the request's headers.
+pub struct Read {
+    /// The policy (base or rule) that applies.
+    pub policy: usize,
+    pub method: Vec<u8>,
+    /// The whole header map, when it was read already.
+    pub headers: Option<Headers>,
 }
 
-/// Reads a covered method's headers: the key, the scope, the fingerprint's start.
-/// What the request's headers make of it, and whether it is a gRPC call (SPEC §3.10).
-pub fn read_headers(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host) -> (Covered, bool) {
-    let headers = host.request_headers();
+/// The policy (base or rule) for a request: its method, path and route name decide.
+pub fn policy_for(config: &Config, host: &dyn Host, end_of_stream: bool) -> Read {
+    // A request with a body is most likely covered (POST, PATCH …): one read of the whole map
+    // costs Envoy less than `:method` first and then the map. One without (a GET) costs one
+    // header lookup, and the map is read only if its method is covered.
+    let headers = (!end_of_stream).then(|| host.request_headers());
+    let header = |name: &str| match &headers {
+        Some(map) => map.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()),
+        None => host.request_header(name),
+    };
+    let method = header(":method").unwrap_or_default();
+    if config.rules.is_empty() {
+        return Read { policy: 0, method, headers };
+    }
+    let path = header(":path").unwrap_or_default();
+    let by_route = config.rules.iter().any(|r| matches!(r.matcher, RouteMatch::RouteName(_)));
+    let route_name = if by_route { host.property(&["xds", "route_name"]) } else { None };
+    Read { policy: config.policy_for(&path, &method, route_name.as_deref()), method, headers }
+}
+
+/// Reads a covered method's headers (unless `headers` has them): the key, the scope, the
+/// fingerprint's start. What the request's headers make of it, and whether it is a gRPC call
+/// (SPEC §3.10).
+pub fn read_headers(
+    config: &Config,
+    policy: &Policy,
+    method: &[u8],
+    headers: Option<Headers>,
+    host: &dyn Host,
+) -> (Covered, bool) {
+    let headers = headers.unwrap_or_else(|| host.request_headers());
     let grpc = crate::grpc::is_grpc(headers.iter().find(|(n, _)| n == "content-type").map(|(_, v)| v.as_slice()));
     (covered(config, policy, method, host, headers, grpc), grpc)
 }

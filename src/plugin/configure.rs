@@ -57,7 +57,7 @@ fn lifecycle(config: Config) -> Result<AnyLifecycle, String> {
                 );
             }
             let from = (random() % u64::from(table.layout().buckets())) as u32;
-            Box::new(SharedStore::new(table, tick_ms, from))
+            Box::new(SharedStore::new(table, tick_ms, from).with_replay_cache(config.replay_cache_bytes))
         }
         StoreConfig::Etcd(cfg) => {
             let max_lease = config.policies().map(|p| p.lease_ms).max().unwrap_or(10_000);
@@ -95,5 +95,5 @@ fn local_replays(config: &Config) -> Result<Rc<RefCell<dyn Replays>>, String> {
     let table = Table::new(SharedData, layout);
     table.create().map_err(|e| format!("cannot create the local replay table in shared data: {e:?}"))?;
     let from = (random() % u64::from(table.layout().buckets())) as u32;
-    Ok(Rc::new(RefCell::new(LocalReplays::new(table, from))))
+    Ok(Rc::new(RefCell::new(LocalReplays::new(table, from, config.replay_cache_bytes))))
 }

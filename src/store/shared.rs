@@ -10,7 +10,7 @@ use std::rc::Rc;
 
 use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
 use crate::encoding::StoredResponse;
-use crate::table::{self, Begin, Change, Finish, SharedKv, Table, Ticket};
+use crate::table::{self, Begin, Change, Finish, ReplayCache, SharedKv, Table, Ticket};
 
 /// Buckets swept per second and VM: a 1,024-bucket table is swept every 2.5 s per worker.
 const SWEEP_PER_SECOND: u64 = 400;
@@ -24,6 +24,8 @@ enum Retry {
 
 pub struct SharedStore<S> {
     table: Table<S>,
+    /// This VM's replays, kept (`replay_cache_bytes`).
+    replays: ReplayCache,
     tickets: IdMap<u64, Ticket>,
     next_owner: u64,
     retries: Vec<Retry>,
@@ -42,6 +44,7 @@ impl<S: SharedKv> SharedStore<S> {
         let buckets = table.layout().buckets();
         SharedStore {
             table,
+            replays: ReplayCache::new(0),
             tickets: IdMap::default(),
             next_owner: 1,
             retries: Vec::new(),
@@ -51,6 +54,13 @@ impl<S: SharedKv> SharedStore<S> {
             youngest_evicted_ms: None,
             next_report_ms: 0,
         }
+    }
+
+    /// Keeps up to `bytes` of this VM's replays, so that the next replay of the same entry
+    /// reads its bucket only.
+    pub fn with_replay_cache(mut self, bytes: usize) -> Self {
+        self.replays = ReplayCache::new(bytes);
+        self
     }
 
     pub fn table(&self) -> &Table<S> {
@@ -163,10 +173,11 @@ fn began(begin: Begin, owner: Option<Owner>, now_ms: u64) -> Began {
 
 impl<S: SharedKv> Store for SharedStore<S> {
     fn begin(&mut self, _who: For, claim: &Claim, now_ms: u64) -> Option<Answer> {
-        let begin = match self.table.begin(&claim.key, &claim.fingerprint, now_ms, claim.lease_ms) {
-            Ok(begin) => begin,
-            Err(e) => return Some(Answer::Began(Began::Failed(e))),
-        };
+        let begin =
+            match self.table.begin_with(&claim.key, &claim.fingerprint, now_ms, claim.lease_ms, &mut self.replays) {
+                Ok(begin) => begin,
+                Err(e) => return Some(Answer::Began(Began::Failed(e))),
+            };
         let owner = match &begin {
             Begin::Claimed { ticket, change, .. } => {
                 let change = *change;

@@ -31,8 +31,10 @@ use crate::key::StoreKey;
 use crate::retention::EvictionWindow;
 mod kv;
 pub mod memory;
+mod replays;
 
 pub use kv::{KvError, SharedKv};
+pub use replays::ReplayCache;
 
 /// CAS attempts before an operation gives up (contention on one bucket from other workers).
 const MAX_ATTEMPTS: usize = 64;
@@ -437,6 +439,19 @@ impl<S: SharedKv> Table<S> {
         now_ms: u64,
         lease_ms: u64,
     ) -> Result<Begin, StoreError> {
+        self.begin_with(key, fingerprint, now_ms, lease_ms, &mut ReplayCache::new(0))
+    }
+
+    /// [`Table::begin`], replaying from `cache` what this VM replayed before (the bucket
+    /// decides as always; the cache only saves reading the data key).
+    pub fn begin_with(
+        &self,
+        key: &StoreKey,
+        fingerprint: &Fingerprint,
+        now_ms: u64,
+        lease_ms: u64,
+        cache: &mut ReplayCache,
+    ) -> Result<Begin, StoreError> {
         let (bucket_id, tag) = self.layout.locate(key);
         // A completed entry whose data key did not hold its response, last round.
         let mut unmatched: Option<(usize, u64)> = None;
@@ -455,7 +470,12 @@ impl<S: SharedKv> Table<S> {
                 Decision::Completed { no_body: true, .. } => return Ok(Begin::CompletedWithoutBody),
                 Decision::Completed { entry, no_body: false } => {
                     let expected = bucket.entry(entry)?;
-                    if let Some(response) = self.read_response(slot_of(bucket_id, entry), &expected)? {
+                    let slot = slot_of(bucket_id, entry);
+                    if let Some(response) = cache.get(slot, expected.gen, &expected.key) {
+                        return Ok(Begin::Replay(response));
+                    }
+                    if let Some(response) = self.read_response(slot, &expected)? {
+                        cache.put(slot, expected.gen, expected.key, &response);
                         return Ok(Begin::Replay(response));
                     }
                     // The entry changed hands between the two reads: decide again. Twice the
@@ -643,6 +663,17 @@ impl<S: SharedKv> Table<S> {
     /// the key says (`None`: no such entry here; anything else, in progress included, is
     /// for the fleet store to decide).
     pub fn lookup(&self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64) -> Result<Option<Begin>, StoreError> {
+        self.lookup_with(key, fingerprint, now_ms, &mut ReplayCache::new(0))
+    }
+
+    /// [`Table::lookup`], replaying from `cache` what this VM replayed before.
+    pub fn lookup_with(
+        &self,
+        key: &StoreKey,
+        fingerprint: &Fingerprint,
+        now_ms: u64,
+        cache: &mut ReplayCache,
+    ) -> Result<Option<Begin>, StoreError> {
         let (bucket_id, tag) = self.layout.locate(key);
         let (bucket, _) = self.read_bucket(bucket_id)?;
         for i in 0..ENTRIES {
@@ -656,7 +687,15 @@ impl<S: SharedKv> Table<S> {
                 Some(Begin::CompletedWithoutBody)
             } else {
                 // `None` if the entry changed hands between the two reads: ask the fleet.
-                self.read_response(slot_of(bucket_id, i), &entry)?.map(Begin::Replay)
+                let slot = slot_of(bucket_id, i);
+                if let Some(response) = cache.get(slot, entry.gen, &entry.key) {
+                    return Ok(Some(Begin::Replay(response)));
+                }
+                let response = self.read_response(slot, &entry)?;
+                if let Some(response) = &response {
+                    cache.put(slot, entry.gen, entry.key, response);
+                }
+                response.map(Begin::Replay)
             });
         }
         Ok(None)

@@ -442,3 +442,65 @@ fn concurrent_owners_never_overwrite_each_other() {
         assert!(body.starts_with(&format!("key{k}-")), "key {k} replayed {body:?}");
     }
 }
+
+/// Counts the reads a table makes of its map.
+struct Counting {
+    kv: MemoryKv,
+    gets: std::cell::Cell<usize>,
+}
+
+impl SharedKv for Counting {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), KvError> {
+        self.gets.set(self.gets.get() + 1);
+        self.kv.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), KvError> {
+        self.kv.set(key, value, cas)
+    }
+}
+
+#[test]
+fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
+    let t = Table::new(Counting { kv: MemoryKv::new(), gets: 0.into() }, Layout::new("t", 64, PLENTY));
+    assert!(t.create().unwrap());
+    let mut cache = ReplayCache::new(1 << 16);
+    let begin = |t: &Table<Counting>, k: u64, now: u64, cache: &mut ReplayCache| {
+        let before = t.store().gets.get();
+        let b = t.begin_with(&key(k), &fp(1), now, LEASE, cache).unwrap();
+        (b, t.store().gets.get() - before)
+    };
+    // One bucket of 64 completed keys; key 0 is the oldest.
+    for k in 0..64 {
+        let ticket = match t.begin(&key(k), &fp(1), k, LEASE).unwrap() {
+            Begin::Claimed { ticket, .. } => ticket,
+            other => panic!("{other:?}"),
+        };
+        assert!(matches!(
+            t.complete(&ticket, Some(&mut response(&k.to_string())), k, RETENTION).unwrap(),
+            Completed::Stored(_)
+        ));
+    }
+    assert_eq!(begin(&t, 0, 100, &mut cache), (Begin::Replay(response("0")), 2), "bucket and data key");
+    assert_eq!(begin(&t, 0, 101, &mut cache), (Begin::Replay(response("0")), 1), "the bucket only");
+    // Key 64 evicts key 0's entry and stores its own answer in the same slot.
+    let ticket = match begin(&t, 64, 102, &mut cache).0 {
+        Begin::Claimed { ticket, .. } => ticket,
+        other => panic!("{other:?}"),
+    };
+    assert!(matches!(t.complete(&ticket, Some(&mut response("64")), 103, RETENTION).unwrap(), Completed::Stored(_)));
+    assert_eq!(begin(&t, 64, 104, &mut cache), (Begin::Replay(response("64")), 2), "not key 0's kept answer");
+    assert!(matches!(begin(&t, 0, 105, &mut cache).0, Begin::Claimed { .. }), "key 0 was forgotten");
+    // Past its retention a kept answer is not replayed either: the bucket decides.
+    assert_eq!(begin(&t, 64, 106, &mut cache).1, 1);
+    let later = 103 + RETENTION;
+    let ticket = match begin(&t, 64, later, &mut cache).0 {
+        Begin::Claimed { ticket, .. } => ticket,
+        other => panic!("{other:?}"),
+    };
+    // The same key claimed again in its own slot: its new answer, not the kept one.
+    assert!(matches!(
+        t.complete(&ticket, Some(&mut response("64 again")), later, RETENTION).unwrap(),
+        Completed::Stored(_)
+    ));
+    assert_eq!(begin(&t, 64, later + 1, &mut cache), (Begin::Replay(response("64 again")), 2));
+}

@@ -11,8 +11,9 @@
 //!   the upstream's JSON body itself (case W2, against C, B3 and B4);
 //! - "buffer": waits for the whole request, reads its headers and body, then lets it go to
 //!   the router (case W1, the floor of the plugin's first call in `forward: "router"`);
-//! - "detach": waits for the whole request, reads its headers and body, and has the root send
-//!   it upstream with `dispatch_http_call` through a shared queue, then answers the client
+//! - "detach": waits for the whole request, reads its headers, body and route's cluster (the
+//!   `xds.cluster_name` property, as any filter that sends the route's request must), and has
+//!   the root send it there with `dispatch_http_call` through a shared queue, then answers the client
 //!   with the upstream's status, headers and body (case W3, the floor of the plugin's first
 //!   call in `forward: "detached"`, which must send from the root so that the call outlives
 //!   the client's stream);
@@ -42,6 +43,7 @@ proxy_wasm::main! {{
 /// A request one HTTP context hands to the root (mode "detach").
 struct Job {
     context_id: u32,
+    cluster: String,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
 }
@@ -202,7 +204,7 @@ impl RootContext for Root {
         while let Some(job) = OUTBOX.with(|o| o.borrow_mut().pop_front()) {
             let headers: Vec<(&str, &str)> = job.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
             if let Ok(token) =
-                self.dispatch_http_call("upstream", headers, Some(&job.body), vec![], Duration::from_secs(5))
+                self.dispatch_http_call(&job.cluster, headers, Some(&job.body), vec![], Duration::from_secs(5))
             {
                 CALLS.with(|c| c.borrow_mut().insert(token, job.context_id));
             }
@@ -256,8 +258,14 @@ impl Stream {
                     .into_iter()
                     .filter_map(|(n, v)| Some((n, String::from_utf8(v).ok()?)))
                     .collect();
+                // The route's cluster, as a filter that sends the route's request must learn it.
+                let cluster = proxy_wasm::hostcalls::get_property(vec!["xds", "cluster_name"])
+                    .ok()
+                    .flatten()
+                    .and_then(|c| String::from_utf8(c).ok())
+                    .unwrap_or_default();
                 LIVE.with(|l| l.borrow_mut().insert(self.id));
-                OUTBOX.with(|o| o.borrow_mut().push_back(Job { context_id: self.id, headers, body }));
+                OUTBOX.with(|o| o.borrow_mut().push_back(Job { context_id: self.id, cluster, headers, body }));
                 let queue = QUEUE.with(|q| *q.borrow());
                 let _ = proxy_wasm::hostcalls::enqueue_shared_queue(queue, Some(b"job"));
                 Action::Pause

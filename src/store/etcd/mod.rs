@@ -368,7 +368,7 @@ fn slack_s(retention_s: u64) -> u64 {
 impl Store for EtcdStore {
     fn begin(&mut self, who: For, claim: &Claim, now_ms: u64) -> Option<Answer> {
         if let Some(began) =
-            self.replays.as_ref().and_then(|r| r.borrow().lookup(&claim.key, &claim.fingerprint, now_ms))
+            self.replays.as_ref().and_then(|r| r.borrow_mut().lookup(&claim.key, &claim.fingerprint, now_ms))
         {
             self.counts.push_back(Counter::LocalReplay);
             return Some(Answer::Began(began));

@@ -9,7 +9,7 @@ use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::store::Began;
-use crate::table::{Begin, Change, SharedKv, Table};
+use crate::table::{Begin, Change, ReplayCache, SharedKv, Table};
 use std::rc::Rc;
 
 /// Buckets swept per tick: a 1,024-bucket cache is swept every few seconds per worker.
@@ -17,7 +17,7 @@ const SWEEP_PER_TICK: u32 = 20;
 
 pub trait Replays {
     /// What a copy here decides for this request, if there is one.
-    fn lookup(&self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64) -> Option<Began>;
+    fn lookup(&mut self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64) -> Option<Began>;
     /// Keeps a copy of a completed entry until `deadline_ms`.
     fn keep(
         &mut self,
@@ -34,14 +34,16 @@ pub trait Replays {
 
 pub struct LocalReplays<S> {
     table: Table<S>,
+    /// This VM's replays of copies, kept (`replay_cache_bytes`).
+    cache: ReplayCache,
     cursor: u32,
     change: Change,
 }
 
 impl<S: SharedKv> LocalReplays<S> {
-    pub fn new(table: Table<S>, sweep_from: u32) -> Self {
+    pub fn new(table: Table<S>, sweep_from: u32, cache_bytes: usize) -> Self {
         let cursor = sweep_from % table.layout().buckets().max(1);
-        LocalReplays { table, cursor, change: Change::default() }
+        LocalReplays { table, cache: ReplayCache::new(cache_bytes), cursor, change: Change::default() }
     }
 
     fn add(&mut self, c: Change) {
@@ -54,8 +56,8 @@ impl<S: SharedKv> LocalReplays<S> {
 }
 
 impl<S: SharedKv> Replays for LocalReplays<S> {
-    fn lookup(&self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64) -> Option<Began> {
-        match self.table.lookup(key, fingerprint, now_ms) {
+    fn lookup(&mut self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64) -> Option<Began> {
+        match self.table.lookup_with(key, fingerprint, now_ms, &mut self.cache) {
             Ok(Some(Begin::Replay(r))) => Some(Began::Replay(Rc::new(r))),
             Ok(Some(Begin::CompletedWithoutBody)) => Some(Began::CompletedWithoutBody),
             Ok(Some(Begin::Mismatch)) => Some(Began::Mismatch),

@@ -316,7 +316,7 @@ fn with_copies(seed: u64) -> (EtcdStore, &'static crate::table::memory::MemoryKv
     let kv: &'static crate::table::memory::MemoryKv = Box::leak(Box::default());
     let table = Table::new(kv, Layout::new("t.replays", 1024, 1 << 20));
     table.create().unwrap();
-    let replays = std::rc::Rc::new(std::cell::RefCell::new(super::replays::LocalReplays::new(table, 0)));
+    let replays = std::rc::Rc::new(std::cell::RefCell::new(super::replays::LocalReplays::new(table, 0, 1 << 16)));
     (store(seed).with_replays(replays), kv)
 }
 
