@@ -48,13 +48,15 @@ Then memory: a fresh Envoy with the plugin (capacity 16,384), RSS (and tcmalloc'
 use) before and after 10,000 unique keys whose upstream answer is 1 KiB; the control is the
 same number of requests without a key on the same listener.
 
-Writes docs/bench/results.json, results.md and chart.svg; the last three lines printed are
+Writes docs/bench/results.json, results.md and chart.svg; the lines printed last are
 `FLOOR passthrough=<W0/A GET> first_call=<W3/A> first_call_router=<W1/A> local_answer=<W2/C>`,
 `VS_FLOOR passthrough=<B1/W0> first_call=<B2 detached/W3> first_call_router=<B2 router/W1>
-replay=<B3/W4> conflict=<B4/W5> replay_w2=<B3/W2> conflict_w2=<B4/W2> replay_hashed=<B3/W6>
-conflict_hashed=<B4/W7>` (W4 and W5 answer with the same status, headers and body as the
-plugin's replay and 409, probed from the plugin before the run: the fair floors; W6 and W7 also
-compute the three SHA-256 digests every covered request needs) and, last,
+replay=<B3/W4> conflict=<B4/W5> replay_w2=<B3/W2> conflict_w2=<B4/W2>` (W4 and W5 answer
+with the same status, headers and body as the plugin's replay and 409, probed from the plugin
+before the run: the fair floors), `LIMIT passthrough=<W8/W0> first_call=<W9/W3>
+first_call_router=<W10/W1> replay=<W6/W4> conflict=<W7/W5>` (the least an idempotency filter
+keeping its table in shared data must do, above each floor: bench/controls' "least-" modes;
+a VS_FLOOR goal above its LIMIT cannot be met), `VS_LEAST` (the plugin against those) and,
 `RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`;
 with etcd, after them, `FLEET first_call=<B2 etcd/B2 detached> replay=<B3 etcd/B3>` and
 `FLEET_COST` (etcd requests and etcd CPU µs per first call; `cpu_bound`: the FLEET first_call
@@ -133,6 +135,12 @@ CASES = [
      "script": "unique", "method": "POST", "expect": "2xx"},
     {"id": "W3", "group": "first", "label": "W3: a Wasm filter reading the request, root sends it",
      "listener": "wasm_detach", "script": "unique", "method": "POST", "expect": "2xx"},
+    # W3 and W1 plus the digests, the claim (a bucket read and write, the clock) and the
+    # completion (bucket and response read and written, the clock): the least first call.
+    {"id": "W9", "group": "first", "label": "W9: W3 + digests, claim, completion (least first call)",
+     "listener": "wasm_detach_least", "script": "unique", "method": "POST", "expect": "2xx"},
+    {"id": "W10", "group": "router", "label": "W10: W1 + digests, claim, completion (least, router)",
+     "listener": "wasm_buffer_least", "script": "unique", "method": "POST", "expect": "2xx"},
     {"id": "B2_detached", "group": "first", "label": "B2: plugin, first call, detached", "listener": "plugin",
      "script": "unique", "method": "POST", "expect": "claimed"},
     {"id": "B2_router", "group": "router", "label": "B2: plugin, first call, router", "listener": "router",
@@ -152,12 +160,14 @@ CASES = [
      "script": "fixed", "expect": "local"},
     {"id": "W5", "group": "conflict", "label": "W5: a Wasm filter answering as the 409 does", "listener": "wasm_conflict",
      "script": "fixed", "expect": "local_error"},
-    # The same, after the three SHA-256 digests the plugin must compute for every covered
-    # request (store key, body, fingerprint): the limit for a plugin that hashes as ours.
-    {"id": "W6", "group": "replay", "label": "W6: W4, hashing as the plugin", "listener": "wasm_replay_hashed",
-     "script": "fixed", "expect": "local"},
-    {"id": "W7", "group": "conflict", "label": "W7: W5, hashing as the plugin", "listener": "wasm_conflict_hashed",
-     "script": "fixed", "expect": "local_error"},
+    # The same, plus what any idempotency filter keeping its table in shared data must do
+    # on the path: the three SHA-256 digests of a covered request (store key, body,
+    # fingerprint), one read of the key's bucket and one of the clock. The least such a
+    # filter costs: the limit of the plugin's replay and 409.
+    {"id": "W6", "group": "replay", "label": "W6: W4 + digests, bucket read, clock (least replay)",
+     "listener": "wasm_replay_least", "script": "fixed", "expect": "local"},
+    {"id": "W7", "group": "conflict", "label": "W7: W5 + digests, bucket read, clock (least 409)",
+     "listener": "wasm_conflict_least", "script": "fixed", "expect": "local_error"},
     {"id": "B3", "group": "replay", "label": "B3: plugin, replay", "listener": "plugin",
      "script": "fixed", "expect": "replayed"},
     {"id": "B4", "group": "conflict", "label": "B4: plugin, conflict (409)", "listener": "plugin",
@@ -330,7 +340,7 @@ def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacit
                 answers=None):
     """`answers`: the control modes of W4 and W5 (probe_answers)."""
     controls = ("wasm_noop", "wasm_method", "wasm_local", "wasm_buffer", "wasm_detach", "wasm_replay", "wasm_conflict",
-                "wasm_replay_hashed", "wasm_conflict_hashed")
+                "wasm_replay_least", "wasm_conflict_least", "wasm_detach_least", "wasm_buffer_least")
     ports = {n: free_port() for n in ("bare", "local", "plugin", "router", "etcd", *controls)}
     base = {"capacity": capacity}
     # lease_ms 2000 (renewed every 500 ms): the conflict case's slow call (several seconds)
@@ -365,10 +375,14 @@ def front_envoy(wasm, control_wasm, upstream_port, slow_port, etcd_port, capacit
                      [control(answers[0], control_wasm, name="replay")]),
             listener("wasm_conflict", ports["wasm_conflict"], [to_cluster("upstream")],
                      [control(answers[1], control_wasm, name="conflict")]),
-            listener("wasm_replay_hashed", ports["wasm_replay_hashed"], [to_cluster("upstream")],
-                     [control("hashed-" + answers[0], control_wasm, name="replay_hashed")]),
-            listener("wasm_conflict_hashed", ports["wasm_conflict_hashed"], [to_cluster("upstream")],
-                     [control("hashed-" + answers[1], control_wasm, name="conflict_hashed")]),
+            listener("wasm_replay_least", ports["wasm_replay_least"], [to_cluster("upstream")],
+                     [control("least-" + answers[0], control_wasm, name="replay_least")]),
+            listener("wasm_conflict_least", ports["wasm_conflict_least"], [to_cluster("upstream")],
+                     [control("least-" + answers[1], control_wasm, name="conflict_least")]),
+            listener("wasm_detach_least", ports["wasm_detach_least"], [to_cluster("upstream")],
+                     [control("least-detach", control_wasm, name="detach_least")]),
+            listener("wasm_buffer_least", ports["wasm_buffer_least"], [to_cluster("upstream")],
+                     [control("least-buffer", control_wasm, name="buffer_least")]),
         ]
     else:
         for name in controls:
@@ -673,7 +687,7 @@ def main():
                 and r.header("x-envoy-upstream-service-time") is None, r
             # W1 and W3 reach the upstream: W1 through the router, W3 by the root's call
             # (whose answer the control sends on, with the upstream's own headers).
-            for fam in ("wasm_buffer", "wasm_detach"):
+            for fam in ("wasm_buffer", "wasm_detach", "wasm_buffer_least", "wasm_detach_least"):
                 r = post(ports[fam], f"chk-{fam}-{nonce}")
                 assert r.status == 201 and r.body == UPSTREAM_BODY.encode() \
                     and r.header("x-envoy-upstream-service-time") is not None, (fam, r)
@@ -798,8 +812,8 @@ def main():
     summary = summarize(cases, runs)
     ratios = compute_ratios(runs)
     cpu_ratios = compute_ratios(runs, "envoy_cpu_us")
-    floor, vs_floor = compute_floor(runs, "rps")
-    cpu_floor, cpu_vs_floor = compute_floor(runs, "envoy_cpu_us")
+    floor, limit, vs_floor, vs_least = compute_floor(runs, "rps")
+    cpu_floor, cpu_limit, cpu_vs_floor, cpu_vs_least = compute_floor(runs, "envoy_cpu_us")
     fleet = compute_fleet(summary, runs)
     results = {
         "machine": info,
@@ -820,6 +834,10 @@ def main():
         "vs_floor": vs_floor,
         "cpu_floor": cpu_floor,
         "cpu_vs_floor": cpu_vs_floor,
+        "limit": limit,
+        "vs_least": vs_least,
+        "cpu_limit": cpu_limit,
+        "cpu_vs_least": cpu_vs_least,
         "fleet": fleet,
         "memory": mem,
         "problems": problems,
@@ -833,6 +851,8 @@ def main():
         f"{k}={v:.2f}" for k, v in cpu_ratios.items()))
     log("FLOOR " + " ".join(f"{k}={v:.2f}" for k, v in floor.items()))
     log("VS_FLOOR " + " ".join(f"{k}={v:.2f}" for k, v in vs_floor.items()))
+    log("LIMIT " + " ".join(f"{k}={v:.2f}" for k, v in limit.items()))
+    log("VS_LEAST " + " ".join(f"{k}={v:.2f}" for k, v in vs_least.items()))
     log("RATIOS " + " ".join(f"{k}={v:.2f}" for k, v in ratios.items()))
     if fleet:
         log("FLEET " + " ".join(f"{k}={fleet[k]:.2f}" for k in ("first_call", "replay") if k in fleet))
@@ -969,13 +989,20 @@ def compute_floor(runs, field):
     """
     ratio = paired(runs, field)
     return ({"passthrough": ratio("W0", "A_GET"), "first_call": ratio("W3", "A"),
-             "first_call_router": ratio("W1", "A"), "local_answer": ratio("W2", "C"),
-             "method_read": ratio("W8", "W0")},
+             "first_call_router": ratio("W1", "A"), "local_answer": ratio("W2", "C")},
+            # What the least an idempotency filter does costs above each floor: how close to
+            # the floor any plugin can come (the limit of the VS_FLOOR goals).
+            {"passthrough": ratio("W8", "W0"), "first_call": ratio("W9", "W3"),
+             "first_call_router": ratio("W10", "W1"), "replay": ratio("W6", "W4"),
+             "conflict": ratio("W7", "W5")},
             {"passthrough": ratio("B1", "W0"), "first_call": ratio("B2_detached", "W3"),
              "first_call_router": ratio("B2_router", "W1"), "replay": ratio("B3", "W4"),
-             "conflict": ratio("B4", "W5"), "passthrough_method": ratio("B1", "W8"),
-             "replay_w2": ratio("B3", "W2"), "conflict_w2": ratio("B4", "W2"),
-             "replay_hashed": ratio("B3", "W6"), "conflict_hashed": ratio("B4", "W7")})
+             "conflict": ratio("B4", "W5"), "replay_w2": ratio("B3", "W2"),
+             "conflict_w2": ratio("B4", "W2")},
+            # The plugin against the least: its own share above what the design needs.
+            {"passthrough": ratio("B1", "W8"), "first_call": ratio("B2_detached", "W9"),
+             "first_call_router": ratio("B2_router", "W10"), "replay": ratio("B3", "W6"),
+             "conflict": ratio("B4", "W7")})
 
 
 def table_lines(summary):
@@ -1025,6 +1052,8 @@ def markdown(res):
     cpu_ratios = res["cpu_ratios"]
     floor, vs_floor = res["floor"], res["vs_floor"]
     cpu_floor, cpu_vs_floor = res["cpu_floor"], res["cpu_vs_floor"]
+    limit, vs_least = res["limit"], res["vs_least"]
+    cpu_limit, cpu_vs_least = res["cpu_limit"], res["cpu_vs_least"]
     pin = meth["pinning"]
     lines = [
         "# Benchmark: the plugin against bare Envoy",
@@ -1069,9 +1098,6 @@ def markdown(res):
         f"{cpu_floor['first_call_router']:.2f} | a Wasm filter reading the request first |",
         f"| local_answer = W2/C | {floor['local_answer']:.2f} | "
         f"{cpu_floor['local_answer']:.2f} | a Wasm filter answering by itself |",
-        f"| method_read = W8/W0 (GET) | {floor['method_read']:.2f} | "
-        f"{cpu_floor['method_read']:.2f} | one header lookup (`:method`), the least a filter "
-        "covering some methods does on the others |",
         "",
         "| against the floor (req/s) | value | Envoy CPU per request (×) | meaning |",
         "|---|---:|---:|---|",
@@ -1085,17 +1111,39 @@ def markdown(res):
         "the plugin's replay against a Wasm filter sending the same answer |",
         f"| conflict = B4/W5 | {vs_floor['conflict']:.2f} | {cpu_vs_floor['conflict']:.2f} | "
         "the plugin's 409 against a Wasm filter sending the same 409 |",
-        f"| passthrough_method = B1/W8 | {vs_floor['passthrough_method']:.2f} | "
-        f"{cpu_vs_floor['passthrough_method']:.2f} | the plugin on a request it does not cover, "
-        "against a Wasm filter reading its method |",
         f"| replay_w2 = B3/W2 | {vs_floor['replay_w2']:.2f} | {cpu_vs_floor['replay_w2']:.2f} | "
         "the replay against a minimal local answer (one header) |",
         f"| conflict_w2 = B4/W2 | {vs_floor['conflict_w2']:.2f} | {cpu_vs_floor['conflict_w2']:.2f} | "
         "the 409 against a minimal local answer |",
-        f"| replay_hashed = B3/W6 | {vs_floor['replay_hashed']:.2f} | {cpu_vs_floor['replay_hashed']:.2f} | "
-        "the replay against W4 plus the plugin's three SHA-256 digests |",
-        f"| conflict_hashed = B4/W7 | {vs_floor['conflict_hashed']:.2f} | "
-        f"{cpu_vs_floor['conflict_hashed']:.2f} | the 409 against W5 plus the same digests |",
+        "",
+        "The limit: what the least an idempotency filter keeping its table in shared data "
+        "costs above each floor, measured with the same controls doing that work besides "
+        "their answer (W8 reads the method; W6 and W7 compute the three SHA-256 digests of a "
+        "covered request, read a bucket-sized value and the clock; W9 and W10 compute the "
+        "digests, claim (read and write a bucket, the clock) and complete (read the bucket "
+        "and the response's key, write both, the clock)). A VS_FLOOR goal above its LIMIT "
+        "cannot be met by any filter of this design; VS_LEAST is the plugin's own share.",
+        "",
+        "| limit (req/s) | value | Envoy CPU per request (×) | the least a filter does |",
+        "|---|---:|---:|---|",
+        f"| passthrough = W8/W0 (GET) | {limit['passthrough']:.2f} | "
+        f"{cpu_limit['passthrough']:.2f} | reads the method (one header lookup) |",
+        f"| first_call = W9/W3 | {limit['first_call']:.2f} | {cpu_limit['first_call']:.2f} | "
+        "digests, claim, completion |",
+        f"| first_call_router = W10/W1 | {limit['first_call_router']:.2f} | "
+        f"{cpu_limit['first_call_router']:.2f} | the same, and reads the router's answer |",
+        f"| replay = W6/W4 | {limit['replay']:.2f} | {cpu_limit['replay']:.2f} | "
+        "digests, a bucket read, the clock |",
+        f"| conflict = W7/W5 | {limit['conflict']:.2f} | {cpu_limit['conflict']:.2f} | the same |",
+        "",
+        "| against the least (req/s) | value | Envoy CPU per request (×) |",
+        "|---|---:|---:|",
+        f"| passthrough = B1/W8 | {vs_least['passthrough']:.2f} | {cpu_vs_least['passthrough']:.2f} |",
+        f"| first_call = B2 detached/W9 | {vs_least['first_call']:.2f} | {cpu_vs_least['first_call']:.2f} |",
+        f"| first_call_router = B2 router/W10 | {vs_least['first_call_router']:.2f} | "
+        f"{cpu_vs_least['first_call_router']:.2f} |",
+        f"| replay = B3/W6 | {vs_least['replay']:.2f} | {cpu_vs_least['replay']:.2f} |",
+        f"| conflict = B4/W7 | {vs_least['conflict']:.2f} | {cpu_vs_least['conflict']:.2f} |",
         "",
         *fleet_lines(res.get("fleet") or {}),
         "## Memory",

@@ -24,6 +24,13 @@
 //!   must compute for any covered request (the store key over the namespace, host, scope and
 //!   key; the body's digest; the fingerprint over method, path, content-type and that digest):
 //!   cases W6 and W7, the floor of a replay and a 409 for a filter that hashes as the plugin;
+//! - "least-<mode>" (modes answer, detach, buffer): as that mode, plus what any idempotency
+//!   filter keeping its table in shared data must do on the path besides its answer: the
+//!   three digests of "hashed-answer", and for an answer (a replay, a 409) one read of a bucket
+//!   and of the clock; for a first call the claim (read and write a bucket, the clock) and the
+//!   completion (read the bucket and the response's key, write both, the clock), the router's
+//!   answer read whole with "buffer". Cases W6, W7 (replay, 409), W9 (detached) and W10
+//!   (router): the least such a filter costs, so how far the plugin is from it;
 //! - "calls:<kind>:<n>": makes n host calls of one kind in each request's header callback,
 //!   then Continue (bench/hostcalls.py: what one host call costs Envoy, against "noop").
 use proxy_wasm::traits::*;
@@ -60,6 +67,9 @@ thread_local! {
     /// Mode "answer": what every request is answered with.
     static ANSWER: RefCell<(u32, Vec<(String, String)>, Vec<u8>)> = const { RefCell::new((201, Vec::new(), Vec::new())) };
     static HASHED: RefCell<bool> = const { RefCell::new(false) };
+    /// Modes "least-…": the store work any idempotency filter keeping its table in shared
+    /// data does on the path, besides the digests.
+    static LEAST: RefCell<bool> = const { RefCell::new(false) };
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -95,6 +105,40 @@ enum Call {
 /// The plugin's bucket: 2 bytes of magic and 64 ways of 49 bytes (src/entry.rs).
 const BUCKET: [u8; 3138] = [7; 3138];
 const SHARED_KEY: &str = "bench_control_calls";
+/// Mode "least-…": a bucket and a stored response of the plugin's sizes.
+const LEAST_BUCKET_KEY: &str = "bench_control_least_bucket";
+const LEAST_DATA_KEY: &str = "bench_control_least_data";
+const LEAST_DATA: [u8; 256] = [9; 256];
+
+fn least() -> bool {
+    LEAST.with(|l| *l.borrow())
+}
+
+/// A claim's store work: read the key's bucket, write it back (the claim), read the clock.
+fn least_claim() {
+    use proxy_wasm::hostcalls as host;
+    let bucket = std::hint::black_box(host::get_shared_data(LEAST_BUCKET_KEY)).ok().and_then(|(v, _)| v);
+    let _ = host::set_shared_data(LEAST_BUCKET_KEY, Some(bucket.as_deref().unwrap_or(&BUCKET)), None);
+    let _ = std::hint::black_box(host::get_current_time());
+}
+
+/// A completion's: check the claim (bucket), read and write the response's key, write the
+/// bucket (completed), read the clock.
+fn least_complete() {
+    use proxy_wasm::hostcalls as host;
+    let bucket = std::hint::black_box(host::get_shared_data(LEAST_BUCKET_KEY)).ok().and_then(|(v, _)| v);
+    drop(std::hint::black_box(host::get_shared_data(LEAST_DATA_KEY)));
+    let _ = host::set_shared_data(LEAST_DATA_KEY, Some(&LEAST_DATA), None);
+    let _ = host::set_shared_data(LEAST_BUCKET_KEY, Some(bucket.as_deref().unwrap_or(&BUCKET)), None);
+    let _ = std::hint::black_box(host::get_current_time());
+}
+
+/// A replay's or a 409's: read the key's bucket, read the clock.
+fn least_lookup() {
+    use proxy_wasm::hostcalls as host;
+    drop(std::hint::black_box(host::get_shared_data(LEAST_BUCKET_KEY)));
+    let _ = std::hint::black_box(host::get_current_time());
+}
 
 impl Call {
     fn parse(name: &str) -> Option<Call> {
@@ -137,6 +181,9 @@ impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
         let headers = self.get_http_call_response_headers_bytes();
         let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
+        if least() {
+            least_complete();
+        }
         let Some(context_id) = CALLS.with(|c| c.borrow_mut().remove(&token)) else { return };
         if LIVE.with(|l| l.borrow().contains(&context_id))
             && proxy_wasm::hostcalls::set_effective_context(context_id).is_ok()
@@ -159,6 +206,16 @@ impl Context for Root {
 impl RootContext for Root {
     fn on_configure(&mut self, _: usize) -> bool {
         let config = String::from_utf8(self.get_plugin_configuration().unwrap_or_default()).unwrap_or_default();
+        let config = match config.strip_prefix("least-") {
+            Some(rest) => {
+                LEAST.with(|l| *l.borrow_mut() = true);
+                HASHED.with(|h| *h.borrow_mut() = true);
+                let _ = proxy_wasm::hostcalls::set_shared_data(LEAST_BUCKET_KEY, Some(&BUCKET), None);
+                let _ = proxy_wasm::hostcalls::set_shared_data(LEAST_DATA_KEY, Some(&LEAST_DATA), None);
+                rest.to_string()
+            }
+            None => config,
+        };
         self.mode = match config.as_str() {
             "headers" => Mode::Headers,
             "local" => Mode::Local,
@@ -171,7 +228,7 @@ impl RootContext for Root {
                 };
                 let Some(answer) = parse_answer(&text["answer:".len()..]) else { return false };
                 ANSWER.with(|a| *a.borrow_mut() = answer);
-                HASHED.with(|h| *h.borrow_mut() = hashed);
+                HASHED.with(|h| *h.borrow_mut() = hashed || least());
                 Mode::Answer
             }
             other => match other.split(':').collect::<Vec<_>>().as_slice() {
@@ -225,7 +282,8 @@ fn parse_answer(text: &str) -> Option<(u32, Vec<(String, String)>, Vec<u8>)> {
     let (head, body) = text.split_once("\n\n")?;
     let mut lines = head.lines();
     let status = lines.next()?.trim().parse().ok()?;
-    let headers = lines.map(|l| l.split_once(": ").map(|(n, v)| (n.to_string(), v.to_string()))).collect::<Option<_>>()?;
+    let headers =
+        lines.map(|l| l.split_once(": ").map(|(n, v)| (n.to_string(), v.to_string()))).collect::<Option<_>>()?;
     Some((status, headers, body.as_bytes().to_vec()))
 }
 
@@ -251,6 +309,10 @@ impl Stream {
 
     /// The whole request is here (modes local, buffer, detach).
     fn whole_request(&mut self, body: Vec<u8>) -> Action {
+        if least() && matches!(self.mode, Mode::Buffer | Mode::Detach) {
+            std::hint::black_box(self.hash_as_the_plugin(&body));
+            least_claim();
+        }
         match self.mode {
             Mode::Buffer => Action::Continue,
             Mode::Detach => {
@@ -274,6 +336,9 @@ impl Stream {
                 if self.mode == Mode::Answer && HASHED.with(|h| *h.borrow()) {
                     std::hint::black_box(self.hash_as_the_plugin(&body));
                 }
+                if self.mode == Mode::Answer && least() {
+                    least_lookup();
+                }
                 self.answer();
                 Action::Pause
             }
@@ -289,7 +354,8 @@ impl Stream {
             h.update(bytes);
         };
         let mut key = Sha256::new();
-        for part in [b"bench_plugin".as_slice(), value(":authority"), value("authorization"), value("idempotency-key")] {
+        for part in [b"bench_plugin".as_slice(), value(":authority"), value("authorization"), value("idempotency-key")]
+        {
             field(&mut key, part);
         }
         let digest: [u8; 32] = Sha256::digest(body).into();
@@ -342,5 +408,25 @@ impl HttpContext for Stream {
         }
         let body = std::hint::black_box(self.get_http_request_body(0, size).unwrap_or_default());
         self.whole_request(body)
+    }
+
+    // Mode "least-buffer": the router's answer is read whole (headers, then the body at its
+    // end) and stored, as a first call through the router must.
+    fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
+        if self.mode == Mode::Buffer && least() {
+            drop(std::hint::black_box(self.get_http_response_headers_bytes()));
+            if end_of_stream {
+                least_complete();
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        if self.mode == Mode::Buffer && least() && end_of_stream {
+            drop(std::hint::black_box(self.get_http_response_body(0, size)));
+            least_complete();
+        }
+        Action::Continue
     }
 }
