@@ -99,8 +99,8 @@ chaos: build setup
 	$(PY) tests/chaos.py --store etcd --duration $(CHAOS_SECONDS) --clients 40
 
 # The plugin against bare Envoy and against the floor of any Wasm filter (the control filters
-# of bench/controls/, built here only; wrk, about 6 minutes): prints a table, the FLOOR and
-# VS_FLOOR lines, then the RATIOS line; writes docs/bench/results.json, results.md, chart.svg.
+# of bench/controls/, built here only; wrk, about 9 minutes): prints a table, the FLOOR,
+# VS_FLOOR, LIMIT and VS_LEAST lines, then RATIOS and FLEET; writes docs/bench/results.json, results.md, chart.svg.
 # The machine should be otherwise idle.
 bench: build setup
 	@command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
