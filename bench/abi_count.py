@@ -78,7 +78,8 @@ class Host:
         self.shared = {}
         self.queues, self.queue_owner = {}, {}
         self.maps = collections.defaultdict(list)
-        self.buffers = {PLUGIN_CONFIG: json.dumps(config).encode(), VM_CONFIG: b""}
+        raw = config.get("raw") if isinstance(config, dict) else None
+        self.buffers = {PLUGIN_CONFIG: raw.encode() if raw else json.dumps(config).encode(), VM_CONFIG: b""}
         self.properties = {}
         self.current = ROOT
         self.now_ns = 1_700_000_000_000 * 10**6
@@ -380,8 +381,13 @@ def main():
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--forward", default="detached", choices=["detached", "router"])
     ap.add_argument("--store", default="shared_data", choices=["shared_data", "etcd"])
+    ap.add_argument("--raw", help="the plugin configuration as given (a control filter's mode, "
+                    "bench/controls/), instead of the plugin's JSON")
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated paths")
     args = ap.parse_args()
     config = {"namespace": "abi", "forward": args.forward}
+    if args.raw:
+        config["raw"] = args.raw.replace("\\n", "\n")
     etcd = None
     if args.store == "etcd":
         from etcd_util import Etcd
@@ -398,7 +404,7 @@ def main():
 def report(args, config, etcd_port):
     names = [w.rsplit("/", 1)[-1] for w in args.wasm]
     print(f"forward: {args.forward}, store: {args.store}; per request, mean of {args.requests}")
-    for path in PATHS:
+    for path in [p for p in PATHS if p in args.paths.split(",")]:
         rows = [measure(w, config, path, args.requests, etcd_port) for w in args.wasm]
         kinds = sorted(set().union(*(r[0] for r in rows)))
         print(f"\n{path}: statuses " + "; ".join(f"{n} {dict(r[2])}" for n, r in zip(names, rows)))

@@ -136,7 +136,8 @@ CASES = [
     {"id": "W3", "group": "first", "label": "W3: a Wasm filter reading the request, root sends it",
      "listener": "wasm_detach", "script": "unique", "method": "POST", "expect": "2xx"},
     # W3 and W1 plus the digests, the claim (a bucket read and write, the clock) and the
-    # completion (bucket and response read and written, the clock): the least first call.
+    # completion (bucket and response read and written, the clock), on a table as large as
+    # the plugin's here (--capacity's default): the least first call.
     {"id": "W9", "group": "first", "label": "W9: W3 + digests, claim, completion (least first call)",
      "listener": "wasm_detach_least", "script": "unique", "method": "POST", "expect": "2xx"},
     {"id": "W10", "group": "router", "label": "W10: W1 + digests, claim, completion (least, router)",

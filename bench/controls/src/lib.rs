@@ -28,8 +28,9 @@
 //!   filter keeping its table in shared data must do on the path besides its answer: the
 //!   three digests of "hashed-answer", and for an answer (a replay, a 409) one read of a bucket
 //!   and of the clock; for a first call the claim (read and write a bucket, the clock) and the
-//!   completion (read the bucket and the response's key, write both, the clock), the router's
-//!   answer read whole with "buffer". Cases W6, W7 (replay, 409), W9 (detached) and W10
+//!   completion (read the bucket and the response's key, write both, the clock) on a table of
+//!   the plugin's size in the bench (4,096 buckets, 262,144 data keys, created up front), the
+//!   router's answer read whole with "buffer". Cases W6, W7 (replay, 409), W9 (detached) and W10
 //!   (router): the least such a filter costs, so how far the plugin is from it;
 //! - "calls:<kind>:<n>": makes n host calls of one kind in each request's header callback,
 //!   then Continue (bench/hostcalls.py: what one host call costs Envoy, against "noop").
@@ -50,6 +51,7 @@ proxy_wasm::main! {{
 /// A request one HTTP context hands to the root (mode "detach").
 struct Job {
     context_id: u32,
+    key_hash: u64,
     cluster: String,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
@@ -59,7 +61,7 @@ thread_local! {
     static OUTBOX: RefCell<VecDeque<Job>> = const { RefCell::new(VecDeque::new()) };
     static QUEUE: RefCell<u32> = const { RefCell::new(0) };
     /// Calls in flight: token -> the HTTP context to answer.
-    static CALLS: RefCell<HashMap<u32, u32>> = RefCell::new(HashMap::new());
+    static CALLS: RefCell<HashMap<u32, (u32, u64)>> = RefCell::new(HashMap::new());
     /// HTTP contexts waiting for their call's answer, until their stream ends. Answering a
     /// stream the client reset (wrk does at the end of a run) re-enters a context the SDK has
     /// dropped and panics the VM (SPEC §4); the plugin keeps the same set.
@@ -105,31 +107,58 @@ enum Call {
 /// The plugin's bucket: 2 bytes of magic and 64 ways of 49 bytes (src/entry.rs).
 const BUCKET: [u8; 3138] = [7; 3138];
 const SHARED_KEY: &str = "bench_control_calls";
-/// Mode "least-…": a bucket and a stored response of the plugin's sizes.
+/// Mode "least-…": a table of the plugin's sizes for the bench's first-call listeners
+/// (capacity 262,144: 4,096 buckets of 3,138 bytes, a data key per entry), created up front as
+/// the plugin creates its own, so that a first call touches a random bucket and data key of a
+/// table as large (its memory costs Envoy cache misses the plugin pays too). A replay and a
+/// 409 read the one bucket of their key.
+const LEAST_BUCKETS: u64 = 4096;
+const LEAST_SLOTS: u64 = LEAST_BUCKETS * 64;
 const LEAST_BUCKET_KEY: &str = "bench_control_least_bucket";
-const LEAST_DATA_KEY: &str = "bench_control_least_data";
 const LEAST_DATA: [u8; 256] = [9; 256];
 
 fn least() -> bool {
     LEAST.with(|l| *l.borrow())
 }
 
-/// A claim's store work: read the key's bucket, write it back (the claim), read the clock.
-fn least_claim() {
+fn least_keys(key_hash: u64) -> (String, String) {
+    (format!("bench_least_b{}", key_hash % LEAST_BUCKETS), format!("bench_least_d{}", key_hash % LEAST_SLOTS))
+}
+
+/// The table, once per VM id (the base VM's configure runs first).
+fn least_create() {
     use proxy_wasm::hostcalls as host;
-    let bucket = std::hint::black_box(host::get_shared_data(LEAST_BUCKET_KEY)).ok().and_then(|(v, _)| v);
-    let _ = host::set_shared_data(LEAST_BUCKET_KEY, Some(bucket.as_deref().unwrap_or(&BUCKET)), None);
+    if matches!(host::get_shared_data("bench_least_ready"), Ok((Some(_), _))) {
+        return;
+    }
+    let _ = host::set_shared_data(LEAST_BUCKET_KEY, Some(&BUCKET), None);
+    for b in 0..LEAST_BUCKETS {
+        let _ = host::set_shared_data(&format!("bench_least_b{b}"), Some(&BUCKET), None);
+    }
+    for d in 0..LEAST_SLOTS {
+        let _ = host::set_shared_data(&format!("bench_least_d{d}"), Some(b""), None);
+    }
+    let _ = host::set_shared_data("bench_least_ready", Some(b"1"), None);
+}
+
+/// A claim's store work: read the key's bucket, write it back (the claim), read the clock.
+fn least_claim(key_hash: u64) {
+    use proxy_wasm::hostcalls as host;
+    let (bucket_key, _) = least_keys(key_hash);
+    let bucket = std::hint::black_box(host::get_shared_data(&bucket_key)).ok().and_then(|(v, _)| v);
+    let _ = host::set_shared_data(&bucket_key, Some(bucket.as_deref().unwrap_or(&BUCKET)), None);
     let _ = std::hint::black_box(host::get_current_time());
 }
 
 /// A completion's: check the claim (bucket), read and write the response's key, write the
 /// bucket (completed), read the clock.
-fn least_complete() {
+fn least_complete(key_hash: u64) {
     use proxy_wasm::hostcalls as host;
-    let bucket = std::hint::black_box(host::get_shared_data(LEAST_BUCKET_KEY)).ok().and_then(|(v, _)| v);
-    drop(std::hint::black_box(host::get_shared_data(LEAST_DATA_KEY)));
-    let _ = host::set_shared_data(LEAST_DATA_KEY, Some(&LEAST_DATA), None);
-    let _ = host::set_shared_data(LEAST_BUCKET_KEY, Some(bucket.as_deref().unwrap_or(&BUCKET)), None);
+    let (bucket_key, data_key) = least_keys(key_hash);
+    let bucket = std::hint::black_box(host::get_shared_data(&bucket_key)).ok().and_then(|(v, _)| v);
+    drop(std::hint::black_box(host::get_shared_data(&data_key)));
+    let _ = host::set_shared_data(&data_key, Some(&LEAST_DATA), None);
+    let _ = host::set_shared_data(&bucket_key, Some(bucket.as_deref().unwrap_or(&BUCKET)), None);
     let _ = std::hint::black_box(host::get_current_time());
 }
 
@@ -181,10 +210,10 @@ impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
         let headers = self.get_http_call_response_headers_bytes();
         let body = self.get_http_call_response_body(0, body_size).unwrap_or_default();
+        let Some((context_id, key_hash)) = CALLS.with(|c| c.borrow_mut().remove(&token)) else { return };
         if least() {
-            least_complete();
+            least_complete(key_hash);
         }
-        let Some(context_id) = CALLS.with(|c| c.borrow_mut().remove(&token)) else { return };
         if LIVE.with(|l| l.borrow().contains(&context_id))
             && proxy_wasm::hostcalls::set_effective_context(context_id).is_ok()
         {
@@ -210,8 +239,7 @@ impl RootContext for Root {
             Some(rest) => {
                 LEAST.with(|l| *l.borrow_mut() = true);
                 HASHED.with(|h| *h.borrow_mut() = true);
-                let _ = proxy_wasm::hostcalls::set_shared_data(LEAST_BUCKET_KEY, Some(&BUCKET), None);
-                let _ = proxy_wasm::hostcalls::set_shared_data(LEAST_DATA_KEY, Some(&LEAST_DATA), None);
+                least_create();
                 rest.to_string()
             }
             None => config,
@@ -263,7 +291,7 @@ impl RootContext for Root {
             if let Ok(token) =
                 self.dispatch_http_call(&job.cluster, headers, Some(&job.body), vec![], Duration::from_secs(5))
             {
-                CALLS.with(|c| c.borrow_mut().insert(token, job.context_id));
+                CALLS.with(|c| c.borrow_mut().insert(token, (job.context_id, job.key_hash)));
             }
         }
     }
@@ -311,11 +339,12 @@ impl Stream {
     fn whole_request(&mut self, body: Vec<u8>) -> Action {
         if least() && matches!(self.mode, Mode::Buffer | Mode::Detach) {
             std::hint::black_box(self.hash_as_the_plugin(&body));
-            least_claim();
+            least_claim(self.key_hash());
         }
         match self.mode {
             Mode::Buffer => Action::Continue,
             Mode::Detach => {
+                let key_hash = self.key_hash();
                 let headers = std::mem::take(&mut self.headers)
                     .into_iter()
                     .filter_map(|(n, v)| Some((n, String::from_utf8(v).ok()?)))
@@ -327,7 +356,8 @@ impl Stream {
                     .and_then(|c| String::from_utf8(c).ok())
                     .unwrap_or_default();
                 LIVE.with(|l| l.borrow_mut().insert(self.id));
-                OUTBOX.with(|o| o.borrow_mut().push_back(Job { context_id: self.id, cluster, headers, body }));
+                OUTBOX
+                    .with(|o| o.borrow_mut().push_back(Job { context_id: self.id, key_hash, cluster, headers, body }));
                 let queue = QUEUE.with(|q| *q.borrow());
                 let _ = proxy_wasm::hostcalls::enqueue_shared_queue(queue, Some(b"job"));
                 Action::Pause
@@ -346,6 +376,14 @@ impl Stream {
     }
 
     /// The plugin's three digests (src/key.rs, src/fingerprint.rs), fields length-prefixed.
+    /// Where the request's key lands in the least table (its bucket and data key).
+    fn key_hash(&self) -> u64 {
+        let key = self.headers.iter().find(|(n, _)| n == "idempotency-key").map_or(&[][..], |(_, v)| v.as_slice());
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        h.write(key);
+        h.finish()
+    }
+
     fn hash_as_the_plugin(&self, body: &[u8]) -> ([u8; 32], [u8; 32]) {
         use sha2::{Digest, Sha256};
         let value = |name: &str| self.headers.iter().find(|(n, _)| n == name).map_or(&[][..], |(_, v)| v.as_slice());
@@ -416,7 +454,7 @@ impl HttpContext for Stream {
         if self.mode == Mode::Buffer && least() {
             drop(std::hint::black_box(self.get_http_response_headers_bytes()));
             if end_of_stream {
-                least_complete();
+                least_complete(self.key_hash());
             }
         }
         Action::Continue
@@ -425,7 +463,7 @@ impl HttpContext for Stream {
     fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
         if self.mode == Mode::Buffer && least() && end_of_stream {
             drop(std::hint::black_box(self.get_http_response_body(0, size)));
-            least_complete();
+            least_complete(self.key_hash());
         }
         Action::Continue
     }
