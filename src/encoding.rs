@@ -116,6 +116,15 @@ impl Bucket {
         parse_entry(self.bytes.get(start..start + ENTRY_BYTES).ok_or(Corrupt("bucket: entry out of range"))?)
     }
 
+    /// The first entry whose key tag is `key`, whatever its state, found without decoding
+    /// the others (a replay or a 409 in a full bucket would decode up to 64 entries).
+    pub fn find_key(&self, key: &KeyTag) -> Option<usize> {
+        (0..ENTRIES).find(|i| {
+            let at = BUCKET_HEAD + i * ENTRY_BYTES + 1 + 8;
+            self.bytes.get(at..at + key.len()) == Some(&key[..])
+        })
+    }
+
     pub fn set_entry(&mut self, i: usize, entry: &Entry) {
         let start = BUCKET_HEAD + i * ENTRY_BYTES;
         if let Some(raw) = self.bytes.get_mut(start..start + ENTRY_BYTES) {

@@ -163,6 +163,13 @@ pub enum Decision {
 }
 
 pub fn decide(bucket: &Bucket, key: &KeyTag, fingerprint: &Fingerprint, now_ms: u64) -> Result<Decision, Corrupt> {
+    // A live entry of the key decides alone (at most one exists): found by its tag first.
+    if let Some(i) = bucket.find_key(key) {
+        let entry = bucket.entry(i)?;
+        if entry.is_live(now_ms) {
+            return Ok(judge_live(&entry, i, fingerprint));
+        }
+    }
     let mut expired_same_key = None;
     let mut free = None;
     let mut expired = None;
