@@ -477,12 +477,7 @@ impl<S: SharedKv> Table<S> {
                 Decision::Completed { no_body: true, .. } => return Ok(Begin::CompletedWithoutBody),
                 Decision::Completed { entry, no_body: false } => {
                     let expected = bucket.entry(entry)?;
-                    let slot = slot_of(bucket_id, entry);
-                    if let Some(response) = cache.get(slot, expected.gen, &expected.key) {
-                        return Ok(Begin::Replay(response));
-                    }
-                    if let Some(response) = self.read_response(slot, &expected)? {
-                        cache.put(slot, expected.gen, expected.key, &response);
+                    if let Some(response) = self.kept_or_read(slot_of(bucket_id, entry), &expected, cache)? {
                         return Ok(Begin::Replay(response));
                     }
                     // The entry changed hands between the two reads: decide again. Twice the
@@ -542,6 +537,24 @@ impl<S: SharedKv> Table<S> {
         let Some(bytes) = value else { return Ok(None) };
         let (gen, key, response) = StoredResponse::decode(bytes)?;
         Ok((gen == entry.gen && key == entry.key).then_some(response))
+    }
+
+    /// The stored response of `entry` as [`Table::read_response`], from `cache` when this VM
+    /// replayed the same claim before; a response read is kept there.
+    fn kept_or_read(
+        &self,
+        slot: u32,
+        entry: &Entry,
+        cache: &mut ReplayCache,
+    ) -> Result<Option<StoredResponse>, StoreError> {
+        if let Some(response) = cache.get(slot, entry.gen, &entry.key) {
+            return Ok(Some(response));
+        }
+        let response = self.read_response(slot, entry)?;
+        if let Some(response) = &response {
+            cache.put(slot, entry.gen, entry.key, response);
+        }
+        Ok(response)
     }
 
     /// Applies `change` to the ticket's entry if the ticket still owns it (in progress, same gen).
@@ -694,15 +707,7 @@ impl<S: SharedKv> Table<S> {
                 Some(Begin::CompletedWithoutBody)
             } else {
                 // `None` if the entry changed hands between the two reads: ask the fleet.
-                let slot = slot_of(bucket_id, i);
-                if let Some(response) = cache.get(slot, entry.gen, &entry.key) {
-                    return Ok(Some(Begin::Replay(response)));
-                }
-                let response = self.read_response(slot, &entry)?;
-                if let Some(response) = &response {
-                    cache.put(slot, entry.gen, entry.key, response);
-                }
-                response.map(Begin::Replay)
+                self.kept_or_read(slot_of(bucket_id, i), &entry, cache)?.map(Begin::Replay)
             });
         }
         Ok(None)

@@ -378,27 +378,36 @@ impl Stream {
     /// The plugin's three digests (src/key.rs, src/fingerprint.rs), fields length-prefixed.
     /// Where the request's key lands in the least table (its bucket and data key).
     fn key_hash(&self) -> u64 {
-        let key = self.headers.iter().find(|(n, _)| n == "idempotency-key").map_or(&[][..], |(_, v)| v.as_slice());
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        h.write(key);
+        h.write(self.header("idempotency-key"));
         h.finish()
+    }
+
+    /// A request header's value (empty when absent).
+    fn header(&self, name: &str) -> &[u8] {
+        self.headers.iter().find(|(n, _)| n == name).map_or(&[][..], |(_, v)| v.as_slice())
     }
 
     fn hash_as_the_plugin(&self, body: &[u8]) -> ([u8; 32], [u8; 32]) {
         use sha2::{Digest, Sha256};
-        let value = |name: &str| self.headers.iter().find(|(n, _)| n == name).map_or(&[][..], |(_, v)| v.as_slice());
         let field = |h: &mut Sha256, bytes: &[u8]| {
             h.update((bytes.len() as u64).to_le_bytes());
             h.update(bytes);
         };
         let mut key = Sha256::new();
-        for part in [b"bench_plugin".as_slice(), value(":authority"), value("authorization"), value("idempotency-key")]
-        {
+        for part in [
+            b"bench_plugin".as_slice(),
+            self.header(":authority"),
+            self.header("authorization"),
+            self.header("idempotency-key"),
+        ] {
             field(&mut key, part);
         }
         let digest: [u8; 32] = Sha256::digest(body).into();
         let mut fingerprint = Sha256::new();
-        for part in [value(":method"), value(":path"), b"content-type".as_slice(), value("content-type")] {
+        for part in
+            [self.header(":method"), self.header(":path"), b"content-type".as_slice(), self.header("content-type")]
+        {
             field(&mut fingerprint, part);
         }
         fingerprint.update(1u64.to_le_bytes());
