@@ -99,12 +99,7 @@ fn a_router_answer_is_held_at_its_end_until_its_completion_is_stored() {
     assert_eq!(flow, Flow::Pause, "the claim goes to etcd first");
     let effects = settle(&mut a, &mut m, effects, 0);
     assert!(effects.contains(&Effect::Resume { stream: 1 }), "{effects:?}");
-    let response = FakeHost {
-        response: super::tests::headers(&[(":status", "201"), ("content-type", "text/plain")]),
-        response_body: b"made".to_vec(),
-        code_details: Some("via_upstream"),
-        ..FakeHost::default()
-    };
+    let response = super::tests::router_answer(b"made");
     assert_eq!(a.on_response_headers(&at(&response, 3), 1, false), Flow::Continue);
     // Every byte is held, not only the end: a client counting Content-Length has its
     // answer once the last byte arrives, whether or not the end follows.
@@ -190,12 +185,7 @@ fn a_router_owner_known_lost_lets_its_answer_go_without_a_resume() {
         let effects = a.take_effects();
         settle(&mut a, &mut m, effects, t);
     }
-    let response = FakeHost {
-        response: super::tests::headers(&[(":status", "201"), ("content-type", "text/plain")]),
-        response_body: b"late".to_vec(),
-        code_details: Some("via_upstream"),
-        ..FakeHost::default()
-    };
+    let response = super::tests::router_answer(b"late");
     assert_eq!(a.on_response_headers(&at(&response, 13_400), 1, false), Flow::Continue);
     assert_eq!(a.on_response_body(&at(&response, 13_400), 1, 4, true), Flow::Continue);
     let effects = a.take_effects();

@@ -151,6 +151,16 @@ pub(super) fn count(effects: &[Effect], counter: Counter) -> u32 {
         .sum()
 }
 
+/// The router's answer to a first call (forward "router"): 201, text/plain, `body`.
+pub(super) fn router_answer(body: &[u8]) -> FakeHost {
+    FakeHost {
+        response: headers(&[(":status", "201"), ("content-type", "text/plain")]),
+        response_body: body.to_vec(),
+        code_details: Some("via_upstream"),
+        ..FakeHost::default()
+    }
+}
+
 pub(super) fn upstream_answer(status: &str, body: &str) -> FakeHost {
     FakeHost {
         call_headers: headers(&[
