@@ -122,9 +122,9 @@ def start_envoy():
     raise RuntimeError(f"envoy not ready after {START_TIMEOUT_S:.0f}s")
 
 
-def admin_ready():
+def admin_ready(port=ADMIN_PORT):
     try:
-        with urllib.request.urlopen(f"http://{HOST}:{ADMIN_PORT}/ready", timeout=1) as resp:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/ready", timeout=1) as resp:
             return resp.read().strip() == b"LIVE"
     except OSError:
         return False

@@ -11,7 +11,6 @@ import os
 import sys
 import threading
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import demo  # noqa: E402  (process handling shared with `make run`)
@@ -30,14 +29,6 @@ def show(what, result):
           f"     trailing metadata {trailing}", flush=True)
 
 
-def ready():
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{ADMIN}/ready", timeout=1) as resp:
-            return resp.read().strip() == b"LIVE"
-    except OSError:
-        return False
-
-
 def main():
     os.chdir(demo.REPO_ROOT)
     upstream = GrpcUpstream(port=50051)
@@ -46,7 +37,7 @@ def main():
     envoy = demo.spawn("envoy", cmd)
     try:
         deadline = time.monotonic() + demo.START_TIMEOUT_S
-        while not ready() and time.monotonic() < deadline:
+        while not demo.admin_ready(ADMIN) and time.monotonic() < deadline:
             time.sleep(0.1)
         first = {}
         t = threading.Thread(target=lambda: first.setdefault(
