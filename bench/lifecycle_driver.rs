@@ -18,7 +18,7 @@
 use std::hint::black_box;
 
 use idempotency::config::Config;
-use idempotency::host::{Headers, Host};
+use idempotency::host::{HeaderMap, Headers, Host};
 use idempotency::lifecycle::{Effect, Lifecycle};
 use idempotency::store::shared::SharedStore;
 use idempotency::table::memory::MemoryKv;
@@ -41,8 +41,8 @@ impl Host for Request {
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
     }
-    fn request_headers(&self) -> Headers {
-        self.headers.clone()
+    fn request_headers(&self) -> HeaderMap {
+        HeaderMap::from_pairs(&self.headers)
     }
     fn request_body(&self, size: usize) -> Vec<u8> {
         BODY.iter().take(size).copied().collect()

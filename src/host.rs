@@ -2,6 +2,8 @@
 //! implements it with host calls (`plugin::hostcalls`), the tests with a fake. Reads are
 //! lazy, so that a request the plugin does not cover costs one header lookup.
 
+pub use crate::header_map::HeaderMap;
+
 /// A header map as Envoy hands it over: names lower-case, values any bytes, repeats kept.
 pub type Headers = Vec<(String, Vec<u8>)>;
 
@@ -10,8 +12,8 @@ pub trait Host {
     fn now_ms(&self) -> u64;
     /// One request header of the current stream.
     fn request_header(&self, name: &str) -> Option<Vec<u8>>;
-    /// Every request header of the current stream, in order.
-    fn request_headers(&self) -> Headers;
+    /// Every request header of the current stream, in order, read in place.
+    fn request_headers(&self) -> HeaderMap;
     /// The current stream's buffered request body, up to `size` bytes.
     fn request_body(&self, size: usize) -> Vec<u8>;
     fn response_headers(&self) -> Headers;

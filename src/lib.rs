@@ -2,9 +2,10 @@
 //!
 //! The core is plain Rust with no `proxy-wasm` import, tested natively: `lifecycle` (a
 //! request's life, events in, effects out) over `store` (shared data, etcd) and `host` (what it
-//! reads of Envoy); `table` (the table over shared data) and `encoding` (its values); `config`,
-//! `key`, `fingerprint`, `problem`, `grpc`, `metrics`, `budget`, `retention`. `plugin` is the thin
-//! proxy-wasm adapter, built for `wasm32-wasip1` only. See ARCHITECTURE.md.
+//! reads of Envoy, a request's headers as `header_map`); `table` (the table over shared data) and
+//! `encoding` (its values); `config`, `key`, `fingerprint`, `problem`, `grpc`, `metrics`,
+//! `budget`, `retention`. `plugin` is the thin proxy-wasm adapter, built for `wasm32-wasip1`
+//! only. See ARCHITECTURE.md.
 
 pub mod budget;
 pub mod config;
@@ -12,6 +13,7 @@ pub mod encoding;
 pub mod fingerprint;
 pub mod fuzzing;
 pub mod grpc;
+pub mod header_map;
 pub mod host;
 pub mod ids;
 pub mod key;

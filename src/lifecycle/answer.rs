@@ -7,7 +7,7 @@ use super::request::{self, Outbound, Pending};
 use super::{Held, Holding, Lifecycle, Outgoing, Phase, Reply};
 use crate::config::{OnConflict, OnUnavailable, StoreConfig};
 use crate::encoding::StoredResponse;
-use crate::host::{Flow, Headers, Host};
+use crate::host::{Flow, HeaderMap, Host};
 use crate::metrics::Counter;
 use crate::problem::Problem;
 use crate::store::{Answer, Began, Claim, Completed, For, Owner, Store};
@@ -24,7 +24,7 @@ pub(super) enum Next {
 /// replay or a 409 never needs it (it costs a property read and a copy of every header).
 pub(super) struct LazyOutbound<'a> {
     host: Option<&'a dyn Host>,
-    parts: Option<(Option<Headers>, Vec<u8>)>,
+    parts: Option<(Option<HeaderMap>, Vec<u8>)>,
 }
 
 impl LazyOutbound<'_> {
@@ -176,15 +176,14 @@ impl<S: Store> Lifecycle<S> {
             Some(mut request) => {
                 if let Some((name, token)) = fence {
                     // The client's value never goes on; the claim's token does (SPEC §3.9).
-                    request.headers.retain(|(n, _)| *n != name);
-                    request.headers.extend(token.map(|t| (name, t)));
+                    request.headers = request.headers.replaced(&name, token.as_deref());
                 }
                 let grpc = self.streams.get(&id).is_some_and(|s| s.grpc);
                 if grpc {
                     // The client's deadline is not the call's: it goes on after its client
                     // left, within upstream_timeout_ms (an upstream told the deadline would
                     // give up with it, and DEADLINE_EXCEEDED releases the key).
-                    request.headers.retain(|(n, _)| n != "grpc-timeout");
+                    request.headers = request.headers.replaced("grpc-timeout", None);
                 }
                 self.outbox.push_back(Outgoing { stream: id, policy, grpc, owner, leased_ms, request });
                 self.set_phase(id, Phase::Detached);

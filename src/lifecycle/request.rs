@@ -3,7 +3,7 @@
 
 use crate::config::{Config, Forward, MissingScope, Policy, RouteMatch};
 use crate::fingerprint::FingerprintBuilder;
-use crate::host::{Headers, Host};
+use crate::host::{HeaderMap, Host};
 use crate::key::{parse_key, StoreKey};
 use crate::metrics::Counter;
 use crate::problem::Problem;
@@ -13,7 +13,7 @@ pub struct Pending {
     pub key: StoreKey,
     pub fingerprint: FingerprintBuilder,
     /// The request's headers, kept when the root may have to send it (detached forwarding).
-    pub headers: Option<Headers>,
+    pub headers: Option<HeaderMap>,
     /// Its scope was absent and `missing_scope: "share"` put it in the anonymous scope.
     pub scope_shared: bool,
 }
@@ -35,7 +35,7 @@ pub struct Read {
     pub policy: usize,
     pub method: Vec<u8>,
     /// The whole header map, when it was read already.
-    pub headers: Option<Headers>,
+    pub headers: Option<HeaderMap>,
 }
 
 /// The policy (base or rule) for a request: its method, path and route name decide.
@@ -45,7 +45,7 @@ pub fn policy_for(config: &Config, host: &dyn Host, end_of_stream: bool) -> Read
     // header lookup, and the map is read only if its method is covered.
     let headers = (!end_of_stream).then(|| host.request_headers());
     let header = |name: &str| match &headers {
-        Some(map) => map.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()),
+        Some(map) => map.get(name).map(<[u8]>::to_vec),
         None => host.request_header(name),
     };
     let method = header(":method").unwrap_or_default();
@@ -65,18 +65,26 @@ pub fn read_headers(
     config: &Config,
     policy: &Policy,
     method: &[u8],
-    headers: Option<Headers>,
+    headers: Option<HeaderMap>,
     host: &dyn Host,
 ) -> (Covered, bool) {
     let headers = headers.unwrap_or_else(|| host.request_headers());
-    let grpc = crate::grpc::is_grpc(headers.iter().find(|(n, _)| n == "content-type").map(|(_, v)| v.as_slice()));
+    let grpc = crate::grpc::is_grpc(headers.get("content-type"));
     (covered(config, policy, method, host, headers, grpc), grpc)
 }
 
-fn covered(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host, headers: Headers, grpc: bool) -> Covered {
-    let value_of = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
-    let mut keys = headers.iter().filter(|(n, _)| *n == policy.key_header);
-    let raw_key = match (keys.next(), keys.next()) {
+fn covered(
+    config: &Config,
+    policy: &Policy,
+    method: &[u8],
+    host: &dyn Host,
+    headers: HeaderMap,
+    grpc: bool,
+) -> Covered {
+    let mut keys = headers.values(&policy.key_header);
+    let first_two = (keys.next(), keys.next());
+    drop(keys);
+    let raw_key = match first_two {
         (None, _) if policy.require_key => {
             return Covered::Refused(Problem::missing_key(&policy.key_header), Counter::MissingKey)
         }
@@ -84,7 +92,7 @@ fn covered(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host, hea
         (Some(_), Some(_)) => {
             return Covered::Refused(Problem::duplicate_key_header(&policy.key_header), Counter::InvalidKey)
         }
-        (Some((_, v)), None) => v,
+        (Some(v), None) => v,
     };
     let client_key = match parse_key(raw_key, policy.max_key_length) {
         Ok(k) => k,
@@ -101,11 +109,11 @@ fn covered(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host, hea
         }
     }
     let scope_refs: Vec<Option<&[u8]>> = scopes.iter().map(|s| s.as_deref()).collect();
-    let authority = value_of(":authority").unwrap_or_default();
+    let authority = headers.get(":authority").unwrap_or_default();
     let key = StoreKey::derive(&config.namespace, authority, &scope_refs, &client_key);
-    let mut fingerprint = FingerprintBuilder::new(method, value_of(":path").unwrap_or_default());
+    let mut fingerprint = FingerprintBuilder::new(method, headers.get(":path").unwrap_or_default());
     for name in &policy.fingerprint_headers {
-        fingerprint.header(name, headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()));
+        fingerprint.header(name, headers.values(name));
     }
     // A gRPC call sent detached answers its client through the replay loopback (a local
     // reply cannot carry its messages); without it, gRPC calls go through the router.
@@ -115,12 +123,12 @@ fn covered(config: &Config, policy: &Policy, method: &[u8], host: &dyn Host, hea
 
 /// The values that scope the key to a caller: configured headers (all their values), the
 /// mTLS peer, a verified JWT claim. `None`: that one is absent.
-fn scope_values(policy: &Policy, headers: &Headers, host: &dyn Host) -> Vec<Option<Vec<u8>>> {
+fn scope_values(policy: &Policy, headers: &HeaderMap, host: &dyn Host) -> Vec<Option<Vec<u8>>> {
     let mut scopes: Vec<Option<Vec<u8>>> = policy
         .scope_headers
         .iter()
         .map(|name| {
-            let values: Vec<&[u8]> = headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()).collect();
+            let values: Vec<&[u8]> = headers.values(name).collect();
             (!values.is_empty()).then(|| values.join(&0u8))
         })
         .collect();
@@ -143,7 +151,8 @@ fn scope_values(policy: &Policy, headers: &Headers, host: &dyn Host) -> Vec<Opti
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outbound {
     pub cluster: String,
-    pub headers: Vec<(String, String)>,
+    /// The client's headers as read, every name and value UTF-8.
+    pub headers: HeaderMap,
     pub body: Vec<u8>,
 }
 
@@ -151,13 +160,12 @@ pub struct Outbound {
 /// kept), the route names a cluster and every header value is UTF-8 (`dispatch_http_call`
 /// takes `&str`). Otherwise the router sends it, so nothing is altered. Read in the stream's
 /// own event: the route's cluster is a property of the stream.
-pub fn outbound(host: &dyn Host, headers: Option<Headers>, body: Vec<u8>) -> Option<Outbound> {
+pub fn outbound(host: &dyn Host, headers: Option<HeaderMap>, body: Vec<u8>) -> Option<Outbound> {
     let headers = headers?;
     let cluster = String::from_utf8(host.property(&["xds", "cluster_name"])?).ok()?;
     if cluster.is_empty() {
         return None;
     }
-    let headers =
-        headers.into_iter().map(|(n, v)| Some((n, String::from_utf8(v).ok()?))).collect::<Option<Vec<_>>>()?;
+    headers.as_text()?;
     Some(Outbound { cluster, headers, body })
 }

@@ -5,6 +5,7 @@ use std::rc::Rc;
 
 use super::*;
 use crate::config::Config;
+use crate::host::HeaderMap;
 use crate::metrics::Counter;
 use crate::store::shared::SharedStore;
 use crate::table::memory::MemoryKv;
@@ -35,8 +36,8 @@ impl Host for FakeHost {
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
         self.request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
     }
-    fn request_headers(&self) -> Headers {
-        self.request.clone()
+    fn request_headers(&self) -> HeaderMap {
+        HeaderMap::from_pairs(&self.request)
     }
     fn request_body(&self, size: usize) -> Vec<u8> {
         self.body.iter().take(size).copied().collect()

@@ -7,7 +7,7 @@ use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::ptr::{null, null_mut};
 use std::time::{Duration, UNIX_EPOCH};
 
-use crate::host::{Headers, Host};
+use crate::host::{HeaderMap, Headers, Host};
 use crate::table::{KvError, SharedKv};
 
 // Raw ABI imports. Statuses are read as `u32`: an unknown value must not be undefined
@@ -35,6 +35,8 @@ extern "C" {
         headers_size: usize,
         grpc_status: i32,
     ) -> u32;
+    #[link_name = "proxy_get_header_map_pairs"]
+    fn raw_get_header_map_pairs(map_type: u32, map: *mut *mut u8, map_size: *mut usize) -> u32;
     #[link_name = "proxy_get_status"]
     fn raw_get_status(code: *mut u32, message: *mut *mut u8, message_size: *mut usize) -> u32;
 }
@@ -98,27 +100,25 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Serialises a header map in the proxy-wasm format, with byte values.
-fn serialize_map<N: AsRef<[u8]>, V: AsRef<[u8]>>(map: &[(N, V)]) -> Vec<u8> {
-    let size: usize = 4 + map.iter().map(|(n, v)| 10 + n.as_ref().len() + v.as_ref().len()).sum::<usize>();
-    let mut out = Vec::with_capacity(size);
-    out.extend_from_slice(&(map.len() as u32).to_le_bytes());
-    for (n, v) in map {
-        out.extend_from_slice(&(n.as_ref().len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.as_ref().len() as u32).to_le_bytes());
+/// The request's header map as the host serialized it, in one buffer (`HeaderMap`); empty
+/// when the host has none or fails.
+fn request_header_map() -> HeaderMap {
+    let mut data: *mut u8 = null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host writes a buffer it allocated with our allocator (proxy_on_memory_allocate)
+    // and its size; we take ownership of it once.
+    let status = unsafe { raw_get_header_map_pairs(MapType::HttpRequestHeaders as u32, &mut data, &mut size) };
+    if status != OK || data.is_null() || size == 0 {
+        return HeaderMap::default();
     }
-    for (n, v) in map {
-        out.extend_from_slice(n.as_ref());
-        out.push(0);
-        out.extend_from_slice(v.as_ref());
-        out.push(0);
-    }
-    out
+    // SAFETY: see above.
+    HeaderMap::parse(unsafe { Vec::from_raw_parts(data, size, size) })
 }
 
 /// Sends a local reply on the current (effective) stream. Header values may be any bytes.
 pub fn send_response<N: AsRef<[u8]>, V: AsRef<[u8]>>(status: u16, headers: &[(N, V)], body: &[u8]) -> Result<(), u32> {
-    let map = serialize_map(headers);
+    let map = HeaderMap::from_pairs(headers);
+    let map = map.as_bytes();
     // SAFETY: pointers and sizes describe live buffers.
     let status = unsafe {
         raw_send_local_response(u32::from(status), null(), 0, body.as_ptr(), body.len(), map.as_ptr(), map.len(), -1)
@@ -133,7 +133,8 @@ pub fn send_response<N: AsRef<[u8]>, V: AsRef<[u8]>>(status: u16, headers: &[(N,
 /// Sends a trailers-only gRPC answer on the current stream: HTTP 200, `grpc-status` `code`,
 /// `grpc-message` `message` (Envoy encodes it), and `metadata` with it.
 pub fn send_grpc<N: AsRef<[u8]>, V: AsRef<[u8]>>(code: u32, message: &str, metadata: &[(N, V)]) -> Result<(), u32> {
-    let map = serialize_map(metadata);
+    let map = HeaderMap::from_pairs(metadata);
+    let map = map.as_bytes();
     let code = i32::try_from(code).unwrap_or(2);
     // SAFETY: pointers and sizes describe live buffers.
     let status = unsafe {
@@ -158,8 +159,8 @@ impl Host for HostCalls {
         hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok().flatten()
     }
 
-    fn request_headers(&self) -> Headers {
-        hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
+    fn request_headers(&self) -> HeaderMap {
+        request_header_map()
     }
 
     fn request_body(&self, size: usize) -> Vec<u8> {

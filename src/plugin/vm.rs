@@ -136,7 +136,8 @@ impl Vm {
         let timeout = Duration::from_millis(request.timeout_ms);
         let sent = match &request.kind {
             CallKind::Http { headers } => {
-                let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+                // Every name and value is UTF-8 (`request::outbound`, the etcd store's own).
+                let headers = headers.as_text().unwrap_or_default();
                 hostcalls::dispatch(&request.cluster, headers, &request.body, timeout).map(|t| (&self.calls, t))
             }
             CallKind::Grpc { service, method } => {

@@ -9,6 +9,7 @@ use std::rc::Rc;
 
 use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
+use crate::header_map::HeaderMap;
 use crate::key::StoreKey;
 use crate::table::{Change, StoreError};
 
@@ -113,7 +114,7 @@ pub struct CallRequest {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallKind {
     /// `dispatch_http_call`: the request's headers (`:method`, `:path`, `:authority`, …).
-    Http { headers: Vec<(String, String)> },
+    Http { headers: HeaderMap },
     /// `dispatch_grpc_call`: a unary gRPC call; the body is the request message.
     Grpc { service: &'static str, method: &'static str },
 }
@@ -122,7 +123,7 @@ impl CallRequest {
     /// An HTTP request's header, if it is one.
     pub fn header(&self, name: &str) -> Option<&str> {
         match &self.kind {
-            CallKind::Http { headers } => headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str()),
+            CallKind::Http { headers } => headers.get(name).and_then(|v| std::str::from_utf8(v).ok()),
             CallKind::Grpc { .. } => None,
         }
     }

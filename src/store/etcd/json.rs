@@ -6,6 +6,7 @@ use base64::Engine;
 use serde_json::{json, Value};
 
 use super::protocol::{kind_of, Compare, EtcdError, Kv, Request, Target, TxnResult, Write};
+use crate::header_map::HeaderMap;
 use crate::store::{CallKind, CallRequest};
 
 pub const TXN_PATH: &str = "/v3/kv/txn";
@@ -18,11 +19,12 @@ fn b64(bytes: &[u8]) -> String {
 
 pub fn call(request: &Request, to: &Target) -> CallRequest {
     let (path, body) = encode(request);
-    let headers =
-        [(":method", "POST"), (":path", path), (":authority", to.authority), ("content-type", "application/json")]
-            .into_iter()
-            .map(|(n, v)| (n.to_string(), v.to_string()))
-            .collect();
+    let headers = HeaderMap::from_pairs(&[
+        (":method", "POST"),
+        (":path", path),
+        (":authority", to.authority),
+        ("content-type", "application/json"),
+    ]);
     CallRequest {
         cluster: to.cluster.to_string(),
         kind: CallKind::Http { headers },
