@@ -99,7 +99,7 @@ chaos: build setup
 	$(PY) tests/chaos.py --store etcd --duration $(CHAOS_SECONDS) --clients 40
 
 # The plugin against bare Envoy and against the floor of any Wasm filter (the control filters
-# of bench/controls/, built here only; wrk, about 9 minutes): prints a table, the FLOOR,
+# of bench/controls/, built here only; wrk, about 10 minutes): prints a table, the FLOOR,
 # VS_FLOOR, LIMIT and VS_LEAST lines, then RATIOS and FLEET; writes docs/bench/results.json, results.md, chart.svg.
 # The machine should be otherwise idle.
 bench: build setup

@@ -1,0 +1,83 @@
+"""Plugin builds side by side in one Envoy: the replay's (or the 409's) Envoy CPU per request of
+each build against the least control filter (W6 or W7 of bench.py) and the floor (W4 or W5).
+
+What `make bench` cannot tell apart (a few %) this can: the builds run in the same process,
+one Envoy worker on one core and wrk on the other, in many short rounds whose order rotates;
+each figure is the median over the rounds of that round's ratio. Two copies of one build agree
+to within about 0.01 here. Not a timed test: it prints ratios measured in one run.
+
+    .venv/bin/python bench/ab.py replay 14 1 A.wasm B.wasm [...]   (mode, rounds, seconds)
+"""
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import bench as B
+
+
+def main():
+    if len(sys.argv) < 5 or sys.argv[1] not in ("replay", "conflict"):
+        sys.exit(__doc__)
+    mode, rounds, seconds, wasms = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+    slow, up = B.Upstream(), B.upstream_envoy("0-1")
+    front, socks = None, []
+    try:
+        answers = B.probe_answers(wasms[0], up.port, slow.port, "0-1")
+        answer = answers[0] if mode == "replay" else answers[1]
+        routes = [B.SLOW_ROUTE, B.to_cluster("upstream")]
+        ports, listeners = {}, []
+        for i, wasm in enumerate(wasms):
+            name = f"build{i}"
+            ports[name] = B.free_port()
+            conf = {"capacity": 262144, "namespace": f"ab{i}", "lease_ms": 2000}
+            listeners.append(B.listener(name, ports[name], routes, [B.plugin(conf, name, wasm)]))
+        for name, control in (("least", "least-" + answer), ("floor", answer)):
+            ports[name] = B.free_port()
+            listeners.append(B.listener(name, ports[name], routes, [B.control(control, B.CONTROL_WASM, name=name)]))
+        clusters = [B.static_cluster("upstream", up.port), B.static_cluster("slow", slow.port)]
+        front = B.EnvoyProc("front", B.bootstrap(listeners, clusters), concurrency=1, cpus="0")
+        key = f"ab-{os.urandom(4).hex()}"
+        hold_ms = (rounds * seconds * len(ports) * 2 + 60) * 1000
+        for i in range(len(wasms)):
+            port = ports[f"build{i}"]
+            if mode == "replay":
+                B.post(port, key)
+                if B.post(port, key).header("idempotent-replayed") != "true":
+                    sys.exit(f"build {i}: the key does not replay")
+            else:
+                socks.append(B.open_slow_call(port, key, hold_ms))
+        if mode == "conflict":
+            deadline = time.monotonic() + 5
+            while front.counters().get("claimed", 0) < len(wasms) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            for i in range(len(wasms)):
+                status = B.post(ports[f"build{i}"], key).status
+                if status != 409:
+                    sys.exit(f"build {i}: the held key answers {status}, not 409")
+        args, case = SimpleNamespace(threads=1, connections=32), {"script": "fixed"}
+        names = list(ports)
+        cpu_us = {n: [] for n in names}
+        for n in names:
+            B.run_wrk(ports[n], case, args, 1, key=key, cpus="1")  # warm-up
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in reversed(order) if r % 2 else order:
+                before = front.cpu_s()
+                out = B.run_wrk(ports[n], case, args, seconds, key=key, cpus="1")
+                cpu_us[n].append((front.cpu_s() - before) / max(out["requests"], 1) * 1e6)
+        for i, n in enumerate(names):
+            label = wasms[i] if n.startswith("build") else n
+            paired = statistics.median(least / this for least, this in zip(cpu_us["least"], cpu_us[n]))
+            print(f"{label}: Envoy CPU {statistics.median(cpu_us[n]):.1f} us/req, least/this {paired:.3f}")
+    finally:
+        for s in socks:
+            s.close()
+        for proc in (front, up, slow):
+            if proc:
+                proc.stop()
+
+
+if __name__ == "__main__":
+    main()
