@@ -1,10 +1,11 @@
 """Plugin builds side by side in one Envoy: the replay's (or the 409's) Envoy CPU per request of
 each build against the least control filter (W6 or W7 of bench.py) and the floor (W4 or W5).
 
-What `make bench` cannot tell apart (a few %) this can: the builds run in the same process,
-one Envoy worker on one core and wrk on the other, in many short rounds whose order rotates;
-each figure is the median over the rounds of that round's ratio. Two copies of one build agree
-to within about 0.01 here. Not a timed test: it prints ratios measured in one run.
+The builds run in the same process, one Envoy worker on one core and wrk on the other, in many
+short rounds whose order rotates; each figure is the median over the rounds of that round's
+ratio. On the 2-core CI machine two copies of one build came out 0.009 apart in one run, and one
+pair of builds moved by up to 0.10 between runs: run it several times (docs/performance.md).
+Not a timed test: it prints ratios measured in one run.
 
     .venv/bin/python bench/ab.py replay 14 1 A.wasm B.wasm [...]   (mode, rounds, seconds)
 """
