@@ -233,6 +233,32 @@ fn detached_first_call_is_sent_by_the_root_stored_then_replayed() {
 }
 
 #[test]
+fn the_roots_call_carries_the_clients_headers_as_they_came_and_odd_bytes_go_by_the_router() {
+    let mut l = lifecycle("{}");
+    let mut request = post("k", "{}");
+    request.request.push(("x-note".into(), b"a".to_vec()));
+    request.request.push(("x-note".into(), b"".to_vec()));
+    send(&mut l, 1, &request, 0);
+    l.on_wake(1);
+    let (_, call) = dispatched(&l.take_effects())[0].clone();
+    let crate::store::CallKind::Http { headers } = &call.kind else { panic!("{call:?}") };
+    let sent: Vec<(String, Vec<u8>)> =
+        headers.iter().map(|(n, v)| (String::from_utf8(n.to_vec()).unwrap(), v.to_vec())).collect();
+    assert_eq!(sent, request.request, "every header, in order, repeats kept");
+
+    // `dispatch_http_call` takes text: a value that is not UTF-8 goes on through the router,
+    // claimed all the same.
+    let mut odd = post("k2", "{}");
+    odd.request.push(("x-note".into(), b"caf\xe9".to_vec()));
+    let (flow, effects) = send(&mut l, 2, &odd, 2);
+    assert_eq!(count(&effects, Counter::Claimed), 1);
+    assert!(!effects.contains(&Effect::WakeRoot), "{effects:?}");
+    assert_eq!(flow, Flow::Continue, "{effects:?}");
+    l.on_wake(3);
+    assert!(dispatched(&l.take_effects()).is_empty());
+}
+
+#[test]
 fn router_first_call_is_captured_as_it_passes_then_replayed() {
     let mut l = lifecycle(r#"{"forward":"router"}"#);
     let (flow, _) = send(&mut l, 1, &post("k", "{}"), 0);
