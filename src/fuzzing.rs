@@ -68,7 +68,7 @@ pub fn entry(data: &[u8]) {
         let ours = StoredResponse::decode(data.to_vec()).ok().filter(|(g, k, _)| *g == ticket.gen && *k == ticket.key);
         let begin = table.begin(&k, &Fingerprint::default(), 2, 10);
         let ok = match (&begin, ours) {
-            (Ok(Begin::Replay(r)), Some((_, _, planted))) => *r == planted,
+            (Ok(Begin::Replay(r)), Some((_, _, planted))) => **r == planted,
             (Err(StoreError::Corrupt(_)), None) => true,
             _ => false,
         };

@@ -127,7 +127,7 @@ fn late_owner_takeover_and_observer() {
         let last = t.begin(&key(), &Fingerprint::default(), 18, LEASE).unwrap();
         match winners.first() {
             Some(w) => {
-                assert_eq!(last, Begin::Replay(body(w)), "the stored response is the winner's");
+                assert_eq!(last, Begin::Replay(std::rc::Rc::new(body(w))), "the stored response is the winner's");
                 if let Some(seen) = seen {
                     assert_eq!(seen, w.as_bytes(), "an observer saw another response");
                 }
@@ -166,16 +166,16 @@ fn renewal_against_takeover() {
             (Some(a), Some(b)) => {
                 assert_eq!(a, (Finish::Lost, false), "the taken-over owner still acted");
                 assert!(b, "the new owner could not complete");
-                assert_eq!(last, Begin::Replay(body("B")));
+                assert_eq!(last, Begin::Replay(std::rc::Rc::new(body("B"))));
             }
             // A renewed in time (B met its mark), or B claimed first (A met B's): one owner.
             (Some(a), None) => {
                 assert_eq!(a, (Finish::Done, true));
-                assert_eq!(last, Begin::Replay(body("A")));
+                assert_eq!(last, Begin::Replay(std::rc::Rc::new(body("A"))));
             }
             (None, Some(b)) => {
                 assert!(b);
-                assert_eq!(last, Begin::Replay(body("B")));
+                assert_eq!(last, Begin::Replay(std::rc::Rc::new(body("B"))));
             }
             (None, None) => panic!("nobody got the key"),
         }
@@ -211,7 +211,10 @@ fn release_then_two_retries() {
         // two retries can never both own it.
         assert!(claimed.len() <= 1, "two owners at once: {claimed:?}");
         if let Some((name, true)) = claimed.first() {
-            assert_eq!(t.begin(&key(), &Fingerprint::default(), 4, LEASE).unwrap(), Begin::Replay(body(name)));
+            assert_eq!(
+                t.begin(&key(), &Fingerprint::default(), 4, LEASE).unwrap(),
+                Begin::Replay(std::rc::Rc::new(body(name)))
+            );
         }
     });
 }

@@ -164,7 +164,7 @@ fn began(begin: Begin, owner: Option<Owner>, now_ms: u64) -> Began {
             Began::Claimed { owner, takeover, change, leased_ms: now_ms }
         }
         (Begin::Claimed { .. }, None) | (Begin::InProgress, _) => Began::InProgress,
-        (Begin::Replay(r), _) => Began::Replay(Rc::new(r)),
+        (Begin::Replay(r), _) => Began::Replay(r),
         (Begin::CompletedWithoutBody, _) => Began::CompletedWithoutBody,
         (Begin::Mismatch, _) => Began::Mismatch,
         (Begin::Full, _) => Began::Full,

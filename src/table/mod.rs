@@ -29,6 +29,7 @@ use crate::encoding::{Bucket, Corrupt, Entry, KeyTag, State, StoredResponse, ENT
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::retention::EvictionWindow;
+use std::rc::Rc;
 mod kv;
 pub mod memory;
 mod replays;
@@ -115,8 +116,8 @@ pub enum Begin {
     Claimed { ticket: Ticket, takeover: bool, change: Change },
     /// Another call with the same fingerprint is in progress: 409 (or wait).
     InProgress,
-    /// Completed: replay this.
-    Replay(StoredResponse),
+    /// Completed: replay this (shared with the VM's kept replays, not copied).
+    Replay(Rc<StoredResponse>),
     /// Completed, but its response was too large to keep: 409, not retryable.
     CompletedWithoutBody,
     /// The key was used with a different fingerprint: 422.
@@ -546,11 +547,11 @@ impl<S: SharedKv> Table<S> {
         slot: u32,
         entry: &Entry,
         cache: &mut ReplayCache,
-    ) -> Result<Option<StoredResponse>, StoreError> {
+    ) -> Result<Option<Rc<StoredResponse>>, StoreError> {
         if let Some(response) = cache.get(slot, entry.gen, &entry.key) {
             return Ok(Some(response));
         }
-        let response = self.read_response(slot, entry)?;
+        let response = self.read_response(slot, entry)?.map(Rc::new);
         if let Some(response) = &response {
             cache.put(slot, entry.gen, entry.key, response);
         }

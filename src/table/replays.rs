@@ -9,6 +9,7 @@
 //! bucket entry) or a blank once the entry is freed.
 
 use std::collections::VecDeque;
+use std::rc::Rc;
 
 use crate::encoding::{KeyTag, StoredResponse};
 use crate::ids::IdMap;
@@ -19,7 +20,7 @@ const OVERHEAD_BYTES: usize = 96;
 struct Kept {
     gen: u64,
     key: KeyTag,
-    response: StoredResponse,
+    response: Rc<StoredResponse>,
 }
 
 /// At most `max_bytes` of responses (and their overhead), the oldest dropped first.
@@ -39,17 +40,17 @@ impl ReplayCache {
     }
 
     /// The response of the claim (`slot`, `gen`, `key`), if this VM replayed it before.
-    pub fn get(&self, slot: u32, gen: u64, key: &KeyTag) -> Option<StoredResponse> {
+    pub fn get(&self, slot: u32, gen: u64, key: &KeyTag) -> Option<Rc<StoredResponse>> {
         let kept = self.by_slot.get(&slot)?;
-        (kept.gen == gen && kept.key == *key).then(|| kept.response.clone())
+        (kept.gen == gen && kept.key == *key).then(|| Rc::clone(&kept.response))
     }
 
-    pub fn put(&mut self, slot: u32, gen: u64, key: KeyTag, response: &StoredResponse) {
+    pub fn put(&mut self, slot: u32, gen: u64, key: KeyTag, response: &Rc<StoredResponse>) {
         let cost = response.stored_len() + OVERHEAD_BYTES;
         if cost > self.max_bytes {
             return;
         }
-        if let Some(old) = self.by_slot.insert(slot, Kept { gen, key, response: response.clone() }) {
+        if let Some(old) = self.by_slot.insert(slot, Kept { gen, key, response: Rc::clone(response) }) {
             self.bytes -= old.response.stored_len() + OVERHEAD_BYTES;
         }
         self.bytes += cost;
@@ -80,8 +81,8 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
 
-    fn response(body: &str) -> StoredResponse {
-        StoredResponse::new(201, [("content-type", &b"text/plain"[..])], body.as_bytes().to_vec())
+    fn response(body: &str) -> Rc<StoredResponse> {
+        Rc::new(StoredResponse::new(201, [("content-type", &b"text/plain"[..])], body.as_bytes().to_vec()))
     }
 
     #[test]

@@ -38,6 +38,11 @@ fn response(body: &str) -> StoredResponse {
     StoredResponse::new(201, headers, body.as_bytes().to_vec())
 }
 
+/// What `begin` answers for a completed entry whose response is `r`.
+fn replay(r: StoredResponse) -> Begin {
+    Begin::Replay(Rc::new(r))
+}
+
 fn done(c: Completed) -> Change {
     match c {
         Completed::Stored(change) => change,
@@ -71,7 +76,7 @@ fn first_claims_duplicate_conflicts_completion_replays() {
     let change = done(complete(&t, &ticket, "one", 10, RETENTION));
     assert_eq!((change.in_progress, change.completed), (-1, 1));
     assert_eq!(change.bytes, response("one").stored_len() as i64);
-    assert_eq!(t.begin(&key(1), &fp(1), 20, LEASE).unwrap(), Begin::Replay(response("one")));
+    assert_eq!(t.begin(&key(1), &fp(1), 20, LEASE).unwrap(), replay(response("one")));
     // Another key is independent.
     claim(&t, 2, 20);
 }
@@ -148,7 +153,7 @@ fn expired_mark_is_taken_over_whatever_the_fingerprint_and_the_late_owner_cannot
     // The late owner finishes: nothing changes.
     assert_eq!(complete(&t, &old, "old", LEASE + 2, RETENTION), Completed::Lost);
     assert_eq!(t.renew(&old, LEASE + 2, LEASE).unwrap(), Finish::Lost);
-    assert_eq!(t.begin(&key(1), &fp(9), LEASE + 3, LEASE).unwrap(), Begin::Replay(response("new")));
+    assert_eq!(t.begin(&key(1), &fp(9), LEASE + 3, LEASE).unwrap(), replay(response("new")));
 }
 
 #[test]
@@ -165,7 +170,7 @@ fn late_owner_racing_the_new_owner_never_clobbers_its_response() {
     let mut late = response("old");
     late.stamp(old.gen, &old.key);
     assert_eq!(t.write_response(&old, &late).unwrap(), None);
-    assert_eq!(t.begin(&key(1), &fp(1), LEASE + 3, LEASE).unwrap(), Begin::Replay(response("new")));
+    assert_eq!(t.begin(&key(1), &fp(1), LEASE + 3, LEASE).unwrap(), replay(response("new")));
 }
 
 #[test]
@@ -480,15 +485,15 @@ fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
             Completed::Stored(_)
         ));
     }
-    assert_eq!(begin(&t, 0, 100, &mut cache), (Begin::Replay(response("0")), 2), "bucket and data key");
-    assert_eq!(begin(&t, 0, 101, &mut cache), (Begin::Replay(response("0")), 1), "the bucket only");
+    assert_eq!(begin(&t, 0, 100, &mut cache), (replay(response("0")), 2), "bucket and data key");
+    assert_eq!(begin(&t, 0, 101, &mut cache), (replay(response("0")), 1), "the bucket only");
     // Key 64 evicts key 0's entry and stores its own answer in the same slot.
     let ticket = match begin(&t, 64, 102, &mut cache).0 {
         Begin::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
     assert!(matches!(t.complete(&ticket, Some(&mut response("64")), 103, RETENTION).unwrap(), Completed::Stored(_)));
-    assert_eq!(begin(&t, 64, 104, &mut cache), (Begin::Replay(response("64")), 2), "not key 0's kept answer");
+    assert_eq!(begin(&t, 64, 104, &mut cache), (replay(response("64")), 2), "not key 0's kept answer");
     assert!(matches!(begin(&t, 0, 105, &mut cache).0, Begin::Claimed { .. }), "key 0 was forgotten");
     // Past its retention a kept answer is not replayed either: the bucket decides.
     assert_eq!(begin(&t, 64, 106, &mut cache).1, 1);
@@ -502,5 +507,5 @@ fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
         t.complete(&ticket, Some(&mut response("64 again")), later, RETENTION).unwrap(),
         Completed::Stored(_)
     ));
-    assert_eq!(begin(&t, 64, later + 1, &mut cache), (Begin::Replay(response("64 again")), 2));
+    assert_eq!(begin(&t, 64, later + 1, &mut cache), (replay(response("64 again")), 2));
 }

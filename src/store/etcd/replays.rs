@@ -10,7 +10,6 @@ use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::store::Began;
 use crate::table::{Begin, Change, ReplayCache, SharedKv, Table};
-use std::rc::Rc;
 
 /// Buckets swept per tick: a 1,024-bucket cache is swept every few seconds per worker.
 const SWEEP_PER_TICK: u32 = 20;
@@ -58,7 +57,7 @@ impl<S: SharedKv> LocalReplays<S> {
 impl<S: SharedKv> Replays for LocalReplays<S> {
     fn lookup(&mut self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64) -> Option<Began> {
         match self.table.lookup_with(key, fingerprint, now_ms, &mut self.cache) {
-            Ok(Some(Begin::Replay(r))) => Some(Began::Replay(Rc::new(r))),
+            Ok(Some(Begin::Replay(r))) => Some(Began::Replay(r)),
             Ok(Some(Begin::CompletedWithoutBody)) => Some(Began::CompletedWithoutBody),
             Ok(Some(Begin::Mismatch)) => Some(Began::Mismatch),
             Ok(_) => None,
