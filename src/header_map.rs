@@ -69,11 +69,11 @@ impl HeaderMap {
 
     /// The first value of `name` (names are lower-case, as Envoy hands them over).
     pub fn get(&self, name: &str) -> Option<&[u8]> {
-        self.iter().find(|(n, _)| *n == name.as_bytes()).map(|(_, v)| v)
+        self.values(name).next()
     }
 
     /// Every value of `name`, in request order.
-    pub fn values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+    pub fn values<'a, 'n>(&'a self, name: &'n str) -> impl Iterator<Item = &'a [u8]> + use<'a, 'n> {
         self.iter().filter(move |(n, _)| *n == name.as_bytes()).map(|(_, v)| v)
     }
 

@@ -81,9 +81,10 @@ fn covered(
     headers: HeaderMap,
     grpc: bool,
 ) -> Covered {
-    let mut keys = headers.values(&policy.key_header);
-    let first_two = (keys.next(), keys.next());
-    drop(keys);
+    let first_two = {
+        let mut keys = headers.values(&policy.key_header);
+        (keys.next(), keys.next())
+    };
     let raw_key = match first_two {
         (None, _) if policy.require_key => {
             return Covered::Refused(Problem::missing_key(&policy.key_header), Counter::MissingKey)
