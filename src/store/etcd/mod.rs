@@ -78,6 +78,8 @@ struct EtcdOwner {
     ending: Option<Ending>,
     /// After a refused completion or release: when to try again.
     retry: Backoff,
+    /// A renewal that could not go yet (etcd failing, no usable lease): its `lease_ms`.
+    renew_wanted: Option<u64>,
 }
 
 enum Op {
@@ -159,7 +161,8 @@ pub struct EtcdStore {
     /// then one request at a time probes (SPEC §3.8: a store that fails is never hammered).
     health: Backoff,
     probe: Option<u64>,
-    /// Lease grants and cleanups that etcd refused: retried after this.
+    /// Lease grants and cleanups that etcd refused: retried after this; reset by one that
+    /// succeeds, so that one outage does not slow every later retry.
     background: Backoff,
     no_space_logged_ms: u64,
     next_call: u64,
@@ -230,7 +233,14 @@ impl EtcdStore {
 
     /// Queues one request to etcd; `false` while etcd is unreachable and this may not probe.
     fn send(&mut self, request: Request, op: Op, now: u64) -> bool {
-        if self.health.failing() && (self.probe.is_some() || !self.health.ready(now)) {
+        self.send_by(request, op, 0, now)
+    }
+
+    /// [`Self::send`] for an owner's write, which must land by its mark's deadline
+    /// `need_by_ms`: it may probe before the backoff is over ([`Backoff::ready_by`]).
+    fn send_by(&mut self, request: Request, op: Op, need_by_ms: u64, now: u64) -> bool {
+        let may_probe = self.health.ready_by(now, need_by_ms, self.link.timeout_ms);
+        if self.health.failing() && (self.probe.is_some() || !may_probe) {
             return false;
         }
         let call = self.next_call;
@@ -249,9 +259,25 @@ impl EtcdStore {
     /// Keeps the VM lease and the retention leases ready, then sends claims, endings and
     /// cleanups.
     fn pump(&mut self, now: u64) {
+        // Owners first: while etcd fails, the one probe goes to a mark that would expire.
+        let timeout_ms = self.link.timeout_ms;
+        let ready: Vec<u64> = self
+            .owners
+            .iter()
+            .filter(|(_, o)| o.ending.is_some() && !o.busy && o.retry.ready_by(now, o.entry.deadline_ms, timeout_ms))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ready {
+            self.send_end(id, now);
+        }
         let background = self.background.ready(now);
         if background {
             self.keep_leases(now);
+        }
+        let renewals: Vec<(u64, u64)> =
+            self.owners.iter().filter_map(|(id, o)| o.renew_wanted.map(|lease_ms| (*id, lease_ms))).collect();
+        for (id, lease_ms) in renewals {
+            self.send_renew(id, lease_ms, now);
         }
         if self.usable_lease(now).is_none() && !self.lease_pending {
             // No lease and none coming: the queued claims cannot be sent.
@@ -260,15 +286,6 @@ impl EtcdStore {
         while let Some(lease) = self.usable_lease(now) {
             let Some(round) = self.rounds.pop_front() else { break };
             self.send_claim(round, lease, now);
-        }
-        let ready: Vec<u64> = self
-            .owners
-            .iter()
-            .filter(|(_, o)| o.ending.is_some() && !o.busy && o.retry.ready(now))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in ready {
-            self.send_end(id, now);
         }
         if background {
             for (key, value) in std::mem::take(&mut self.cleanups) {

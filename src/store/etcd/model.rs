@@ -79,6 +79,10 @@ impl Model {
         self.kvs.keys().cloned().collect()
     }
 
+    pub fn value(&self, key: &[u8]) -> Option<Vec<u8>> {
+        self.kvs.get(key).map(|e| e.value.clone())
+    }
+
     /// When the lease a key rides ends (`None`: no lease, or no such key).
     pub fn lease_end(&self, key: &[u8]) -> Option<u64> {
         self.kvs.get(key).and_then(|e| self.leases.get(&e.lease)).copied()

@@ -19,18 +19,20 @@ impl EtcdStore {
             }
             Op::Renew { id, entry } => self.on_renew(id, entry, api.parse_txn(answer), now),
             Op::End { id } => self.on_end(id, api.parse_txn(answer), now),
-            Op::Cleanup { key, value } => {
-                if api.parse_txn(answer).is_err() {
+            Op::Cleanup { key, value } => match api.parse_txn(answer) {
+                Ok(_) => self.background.succeed(),
+                Err(_) => {
                     self.cleanups.push((key, value));
                     let jitter = self.draw();
                     self.background.fail(now, jitter);
                 }
-            }
+            },
             Op::GrantReplica { sent_ms } => self.on_grant(api.parse_grant(answer), sent_ms, now),
             Op::GrantRetention(retention_s) => {
                 self.retention_pending.remove(&retention_s);
                 match api.parse_grant(answer) {
                     Ok(lease) => {
+                        self.background.succeed();
                         self.retention.insert(retention_s, (lease, now + slack_s(retention_s) * 1000));
                     }
                     Err(_) => {
@@ -51,6 +53,7 @@ impl EtcdStore {
                 let rotate_at_ms = sent_ms + ttl_ms / 4;
                 let usable_until_ms = (sent_ms + ttl_ms).saturating_sub(self.max_lease_ms + 1_000);
                 self.lease = Some(VmLease { id, rotate_at_ms, usable_until_ms });
+                self.background.succeed();
             }
             Err(err) => {
                 log::warn!("etcd: lease grant failed: {err:?}");
@@ -61,19 +64,22 @@ impl EtcdStore {
         }
     }
 
-    /// Extends an owner's mark, unless a write of it is in flight or its call ended.
+    /// Extends an owner's mark, unless its call ended. One that cannot go yet (a write of it in
+    /// flight, etcd failing, no usable lease) is kept and tried again from `pump`.
     pub(super) fn send_renew(&mut self, id: u64, lease_ms: u64, now: u64) {
-        let Some(lease) = self.usable_lease(now) else { return };
+        let lease = self.usable_lease(now);
         let Some(o) = self.owners.get_mut(&id) else { return };
-        if o.busy || o.ending.is_some() {
-            return;
-        }
+        o.renew_wanted = o.ending.is_none().then_some(lease_ms);
+        let Some(lease) = lease.filter(|_| !o.busy && o.ending.is_none()) else { return };
         let entry = Entry { deadline_ms: now.saturating_add(lease_ms), ..o.entry };
         let request = Request::replace(&o.key, o.mod_revision, encode_entry(&entry, None), lease);
+        let need_by_ms = o.entry.deadline_ms;
         o.busy = true;
-        if !self.send(request, Op::Renew { id, entry }, now) {
-            if let Some(o) = self.owners.get_mut(&id) {
-                o.busy = false;
+        let sent = self.send_by(request, Op::Renew { id, entry }, need_by_ms, now);
+        if let Some(o) = self.owners.get_mut(&id) {
+            o.busy = sent;
+            if sent {
+                o.renew_wanted = None;
             }
         }
     }
@@ -144,10 +150,10 @@ impl EtcdStore {
             }
             None => return,
         };
-        if let Some(o) = self.owners.get_mut(&id) {
-            o.busy = true;
-        }
-        if !self.send(request, Op::End { id }, now) {
+        let Some(o) = self.owners.get_mut(&id) else { return };
+        o.busy = true;
+        let need_by_ms = o.entry.deadline_ms;
+        if !self.send_by(request, Op::End { id }, need_by_ms, now) {
             if let Some(o) = self.owners.get_mut(&id) {
                 o.busy = false;
             }

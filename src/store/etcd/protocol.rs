@@ -186,6 +186,7 @@ impl EtcdError {
 pub struct Backoff {
     failures: u32,
     next_ms: u64,
+    failed_ms: u64,
 }
 
 pub const BACKOFF_MIN_MS: u64 = 100;
@@ -197,6 +198,15 @@ impl Backoff {
         now_ms >= self.next_ms
     }
 
+    /// Whether a write that must land by `need_by_ms` may go now: once the backoff is over, or
+    /// when waiting for it and then `slack_ms` (one call's timeout) would miss `need_by_ms`,
+    /// `BACKOFF_MIN_MS` after the last failure. A mark about to expire is worth a probe: sat
+    /// out, another replica takes the key over and runs the call again.
+    pub fn ready_by(&self, now_ms: u64, need_by_ms: u64, slack_ms: u64) -> bool {
+        let urgent = now_ms < need_by_ms && need_by_ms < self.next_ms.saturating_add(slack_ms);
+        self.ready(now_ms) || (urgent && now_ms >= self.failed_ms.saturating_add(BACKOFF_MIN_MS))
+    }
+
     pub fn failing(&self) -> bool {
         self.failures > 0
     }
@@ -206,6 +216,7 @@ impl Backoff {
         let ceiling = BACKOFF_MIN_MS.saturating_mul(1 << self.failures.min(16)).min(BACKOFF_MAX_MS);
         let half = ceiling / 2;
         self.next_ms = now_ms + half + random % (half + 1);
+        self.failed_ms = now_ms;
         self.failures = self.failures.saturating_add(1);
     }
 
@@ -266,6 +277,23 @@ mod tests {
         assert!(waits[7] >= BACKOFF_MAX_MS / 2, "{waits:?}");
         b.succeed();
         assert!(b.ready(now) && !b.failing());
+    }
+
+    #[test]
+    fn a_write_due_before_the_backoff_ends_goes_after_the_shortest_backoff() {
+        let mut b = Backoff::default();
+        for i in 0..6 {
+            b.fail(10_000, i);
+        }
+        let next = (10_000..).find(|t| b.ready(*t)).unwrap();
+        assert!(next >= 10_000 + BACKOFF_MAX_MS / 2);
+        // Due well after the backoff (with a call's timeout to spare): it waits.
+        assert!(!b.ready_by(10_500, next + 1_000, 1_000));
+        // Due before the backoff ends: it goes, but not sooner than the shortest backoff.
+        assert!(!b.ready_by(10_050, next, 1_000));
+        assert!(b.ready_by(10_000 + BACKOFF_MIN_MS, next, 1_000));
+        // Its deadline passed: nothing is left to save, the backoff holds.
+        assert!(!b.ready_by(next - 1, next - 2, 1_000));
     }
 
     #[test]
