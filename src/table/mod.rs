@@ -35,7 +35,7 @@ pub mod memory;
 mod replays;
 
 pub use kv::{KvError, SharedKv};
-pub use replays::ReplayCache;
+pub use replays::{ReplayCache, TRUST_MS};
 
 /// CAS attempts before an operation gives up (contention on one bucket from other workers).
 const MAX_ATTEMPTS: usize = 64;
@@ -450,8 +450,9 @@ impl<S: SharedKv> Table<S> {
         self.begin_with(key, fingerprint, now_ms, lease_ms, &mut ReplayCache::new(0))
     }
 
-    /// [`Table::begin`], replaying from `cache` what this VM replayed before (the bucket
-    /// decides as always; the cache only saves reading the data key).
+    /// [`Table::begin`], replaying from `cache` what this VM replayed before: without a read
+    /// within [`TRUST_MS`] of the bucket read that last confirmed it, else with the
+    /// bucket's read only (see [`ReplayCache`]).
     pub fn begin_with(
         &self,
         key: &StoreKey,
@@ -461,6 +462,9 @@ impl<S: SharedKv> Table<S> {
         cache: &mut ReplayCache,
     ) -> Result<Begin, StoreError> {
         let (bucket_id, tag) = self.layout.locate(key);
+        if let Some(response) = cache.trusted(&tag, fingerprint, now_ms) {
+            return Ok(Begin::Replay(response));
+        }
         // A completed entry whose data key did not hold its response, last round.
         let mut unmatched: Option<(usize, u64)> = None;
         for _ in 0..MAX_ATTEMPTS {
@@ -469,6 +473,9 @@ impl<S: SharedKv> Table<S> {
                 Decision::Claim { entry, takeover } => {
                     let claim = Claiming { bucket_id, entry, tag, fingerprint, takeover };
                     if let Some(claimed) = self.try_claim(bucket, cas, claim, now_ms, lease_ms)? {
+                        if let Begin::Claimed { ticket, .. } = &claimed {
+                            cache.forget(ticket.slot); // what it held is gone
+                        }
                         return Ok(claimed);
                     }
                 }
@@ -478,7 +485,7 @@ impl<S: SharedKv> Table<S> {
                 Decision::Completed { no_body: true, .. } => return Ok(Begin::CompletedWithoutBody),
                 Decision::Completed { entry, no_body: false } => {
                     let expected = bucket.entry(entry)?;
-                    if let Some(response) = self.kept_or_read(slot_of(bucket_id, entry), &expected, cache)? {
+                    if let Some(response) = self.kept_or_read(slot_of(bucket_id, entry), &expected, cache, now_ms)? {
                         return Ok(Begin::Replay(response));
                     }
                     // The entry changed hands between the two reads: decide again. Twice the
@@ -547,13 +554,14 @@ impl<S: SharedKv> Table<S> {
         slot: u32,
         entry: &Entry,
         cache: &mut ReplayCache,
+        now_ms: u64,
     ) -> Result<Option<Rc<StoredResponse>>, StoreError> {
-        if let Some(response) = cache.get(slot, entry.gen, &entry.key) {
+        if let Some(response) = cache.get(slot, entry, now_ms) {
             return Ok(Some(response));
         }
         let response = self.read_response(slot, entry)?.map(Rc::new);
         if let Some(response) = &response {
-            cache.put(slot, entry.gen, entry.key, response);
+            cache.put(slot, entry, response, now_ms);
         }
         Ok(response)
     }
@@ -696,6 +704,9 @@ impl<S: SharedKv> Table<S> {
         cache: &mut ReplayCache,
     ) -> Result<Option<Begin>, StoreError> {
         let (bucket_id, tag) = self.layout.locate(key);
+        if let Some(response) = cache.trusted(&tag, fingerprint, now_ms) {
+            return Ok(Some(Begin::Replay(response)));
+        }
         let (bucket, _) = self.read_bucket(bucket_id)?;
         for i in 0..ENTRIES {
             let entry = bucket.entry(i)?;
@@ -708,7 +719,7 @@ impl<S: SharedKv> Table<S> {
                 Some(Begin::CompletedWithoutBody)
             } else {
                 // `None` if the entry changed hands between the two reads: ask the fleet.
-                self.kept_or_read(slot_of(bucket_id, i), &entry, cache)?.map(Begin::Replay)
+                self.kept_or_read(slot_of(bucket_id, i), &entry, cache, now_ms)?.map(Begin::Replay)
             });
         }
         Ok(None)

@@ -464,11 +464,13 @@ impl SharedKv for Counting {
     }
 }
 
+/// A kept replay: without a read within `TRUST_MS` of the bucket read that confirmed it,
+/// then with the bucket's read only; never for another claim of its slot, nor past retention.
 #[test]
 fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
     let t = Table::new(Counting { kv: MemoryKv::new(), gets: 0.into() }, Layout::new("t", 64, PLENTY));
     assert!(t.create().unwrap());
-    let mut cache = ReplayCache::new(1 << 16);
+    let (mut cache, mut other_vm) = (ReplayCache::new(1 << 16), ReplayCache::new(1 << 16));
     let begin = |t: &Table<Counting>, k: u64, now: u64, cache: &mut ReplayCache| {
         let before = t.store().gets.get();
         let b = t.begin_with(&key(k), &fp(1), now, LEASE, cache).unwrap();
@@ -486,18 +488,33 @@ fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
         ));
     }
     assert_eq!(begin(&t, 0, 100, &mut cache), (replay(response("0")), 2), "bucket and data key");
-    assert_eq!(begin(&t, 0, 101, &mut cache), (replay(response("0")), 1), "the bucket only");
-    // Key 64 evicts key 0's entry and stores its own answer in the same slot.
-    let ticket = match begin(&t, 64, 102, &mut cache).0 {
+    assert_eq!(begin(&t, 0, 101, &mut cache), (replay(response("0")), 0), "no read");
+    assert_eq!(begin(&t, 0, 100 + TRUST_MS, &mut cache), (replay(response("0")), 1), "the bucket only");
+    let now = 100 + TRUST_MS;
+    // Another request with the key: the bucket decides.
+    let mismatch = t.begin_with(&key(0), &fp(2), now + 1, LEASE, &mut cache).unwrap();
+    assert_eq!(mismatch, Begin::Mismatch);
+    // Key 64 evicts key 0's entry here and stores its own answer in the same slot.
+    let ticket = match begin(&t, 64, now + 2, &mut cache).0 {
         Begin::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
-    assert!(matches!(t.complete(&ticket, Some(&mut response("64")), 103, RETENTION).unwrap(), Completed::Stored(_)));
-    assert_eq!(begin(&t, 64, 104, &mut cache), (replay(response("64")), 2), "not key 0's kept answer");
-    assert!(matches!(begin(&t, 0, 105, &mut cache).0, Begin::Claimed { .. }), "key 0 was forgotten");
+    assert!(matches!(
+        t.complete(&ticket, Some(&mut response("64")), now + 3, RETENTION).unwrap(),
+        Completed::Stored(_)
+    ));
+    assert_eq!(begin(&t, 64, now + 4, &mut cache), (replay(response("64")), 2), "not key 0's kept answer");
+    assert!(matches!(begin(&t, 0, now + 5, &mut cache).0, Begin::Claimed { .. }), "key 0 was forgotten");
+    // Key 2 (now the oldest) kept here, evicted by another VM's claim: replayed here for at
+    // most TRUST_MS more, then the bucket decides.
+    assert_eq!(begin(&t, 2, now + 6, &mut cache).0, replay(response("2")));
+    assert!(matches!(begin(&t, 65, now + 7, &mut other_vm).0, Begin::Claimed { .. }));
+    assert_eq!(begin(&t, 2, now + 6 + TRUST_MS - 1, &mut cache), (replay(response("2")), 0));
+    assert!(matches!(begin(&t, 2, now + 6 + TRUST_MS, &mut cache).0, Begin::Claimed { .. }), "key 2 was evicted");
     // Past its retention a kept answer is not replayed either: the bucket decides.
-    assert_eq!(begin(&t, 64, 106, &mut cache).1, 1);
-    let later = 103 + RETENTION;
+    let later = now + 3 + RETENTION;
+    assert_eq!(begin(&t, 64, later - 2, &mut cache).1, 1);
+    assert_eq!(begin(&t, 64, later - 1, &mut cache).1, 0, "trusted until its retention ends");
     let ticket = match begin(&t, 64, later, &mut cache).0 {
         Begin::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
