@@ -34,7 +34,8 @@ def main():
             ports[name] = B.free_port()
             conf = {"capacity": 262144, "namespace": f"ab{i}", "lease_ms": 2000}
             listeners.append(B.listener(name, ports[name], routes, [B.plugin(conf, name, wasm)]))
-        for name, control in (("least", "least-" + answer), ("floor", answer)):
+        least = ("least-kept-" if mode == "replay" else "least-") + answer
+        for name, control in (("least", least), ("floor", answer)):
             ports[name] = B.free_port()
             listeners.append(B.listener(name, ports[name], routes, [B.control(control, B.CONTROL_WASM, name=name)]))
         clusters = [B.static_cluster("upstream", up.port), B.static_cluster("slow", slow.port)]

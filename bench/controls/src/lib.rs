@@ -32,6 +32,9 @@
 //!   the plugin's size in the bench (4,096 buckets, 262,144 data keys, created up front), the
 //!   router's answer read whole with "buffer". Cases W6, W7 (replay, 409), W9 (detached) and W10
 //!   (router): the least such a filter costs, so how far the plugin is from it;
+//! - "least-kept-answer:…": as "least-answer", without the bucket read: a replay answered from
+//!   the worker's own copy of a completed entry, as the plugin's kept replays answer a retry
+//!   storm on one key (case W6);
 //! - "calls:<kind>:<n>": makes n host calls of one kind in each request's header callback,
 //!   then Continue (bench/hostcalls.py: what one host call costs Envoy, against "noop").
 use proxy_wasm::traits::*;
@@ -72,6 +75,8 @@ thread_local! {
     /// Modes "least-…": the store work any idempotency filter keeping its table in shared
     /// data does on the path, besides the digests.
     static LEAST: RefCell<bool> = const { RefCell::new(false) };
+    /// Mode "least-kept-…": an answer from the worker's own copy, no bucket read.
+    static KEPT: RefCell<bool> = const { RefCell::new(false) };
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -162,10 +167,12 @@ fn least_complete(key_hash: u64) {
     let _ = std::hint::black_box(host::get_current_time());
 }
 
-/// A replay's or a 409's: read the key's bucket, read the clock.
+/// A replay's or a 409's: read the key's bucket (not for a kept copy's replay), read the clock.
 fn least_lookup() {
     use proxy_wasm::hostcalls as host;
-    drop(std::hint::black_box(host::get_shared_data(LEAST_BUCKET_KEY)));
+    if !KEPT.with(|k| *k.borrow()) {
+        drop(std::hint::black_box(host::get_shared_data(LEAST_BUCKET_KEY)));
+    }
     let _ = std::hint::black_box(host::get_current_time());
 }
 
@@ -240,7 +247,13 @@ impl RootContext for Root {
                 LEAST.with(|l| *l.borrow_mut() = true);
                 HASHED.with(|h| *h.borrow_mut() = true);
                 least_create();
-                rest.to_string()
+                match rest.strip_prefix("kept-") {
+                    Some(answer) => {
+                        KEPT.with(|k| *k.borrow_mut() = true);
+                        answer.to_string()
+                    }
+                    None => rest.to_string(),
+                }
             }
             None => config,
         };
