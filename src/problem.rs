@@ -2,7 +2,9 @@
 //! with `type`, `title`, `status`, `detail`, `retryable` and, when retryable, `retry_after`.
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::io::Write;
+use std::rc::Rc;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
@@ -16,6 +18,23 @@ pub struct Problem {
 }
 
 const TYPE_PREFIX: &str = "urn:idempotency-filter:problem:";
+
+/// Bodies of problems whose texts are all constants, rendered once: the 409s of a retry storm
+/// would otherwise escape and format the same JSON on every request (a tenth of a 409's Wasm
+/// work). Kinds × the policies' `retry_after_s`; a few, bounded all the same.
+const RENDERED_MAX: usize = 32;
+
+struct Rendered {
+    status: u16,
+    slug: &'static str,
+    detail: &'static str,
+    retry_after: Option<u64>,
+    body: Rc<[u8]>,
+}
+
+thread_local! {
+    static RENDERED: RefCell<Vec<Rendered>> = const { RefCell::new(Vec::new()) };
+}
 
 impl Problem {
     pub fn missing_key(header: &str) -> Problem {
@@ -164,7 +183,32 @@ impl Problem {
     /// The JSON body, members in alphabetical order. Written directly (serde_json escapes the
     /// strings): building a `serde_json::Value` map first cost 2 µs a 409 natively, more than
     /// three times the table lookup that decided it.
-    pub fn body(&self) -> Vec<u8> {
+    pub fn body(&self) -> Rc<[u8]> {
+        let Cow::Borrowed(detail) = self.detail else { return self.render().into() };
+        // The texts are constants: the same address is the same text (an equal text elsewhere
+        // is only rendered again).
+        let same = |r: &Rendered| {
+            r.status == self.status
+                && std::ptr::eq(r.slug, self.slug)
+                && std::ptr::eq(r.detail, detail)
+                && r.retry_after == self.retry_after
+        };
+        if let Some(body) = RENDERED.with(|r| r.borrow().iter().find(|r| same(r)).map(|r| Rc::clone(&r.body))) {
+            return body;
+        }
+        let body: Rc<[u8]> = self.render().into();
+        let (status, slug, retry_after) = (self.status, self.slug, self.retry_after);
+        RENDERED.with(|r| {
+            let mut r = r.borrow_mut();
+            if r.len() >= RENDERED_MAX {
+                r.remove(0);
+            }
+            r.push(Rendered { status, slug, detail, retry_after, body: Rc::clone(&body) });
+        });
+        body
+    }
+
+    fn render(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(128 + self.title.len() + self.detail.len());
         out.extend_from_slice(b"{\"detail\":");
         json_string(&mut out, &self.detail);
@@ -236,8 +280,24 @@ mod tests {
             if let Some(s) = p.retry_after {
                 v.as_object_mut().unwrap().insert("retry_after".into(), s.into());
             }
-            assert_eq!(String::from_utf8(p.body()).unwrap(), v.to_string());
+            assert_eq!(String::from_utf8(p.body().to_vec()).unwrap(), v.to_string());
         }
+    }
+
+    /// Rendered once per kind and `retry_after`: the same bytes as a fresh rendering, each
+    /// `retry_after` its own, texts that are not constants rendered every time; bounded.
+    #[test]
+    fn constant_bodies_are_rendered_once() {
+        let first = Problem::in_progress(1).body();
+        assert!(Rc::ptr_eq(&first, &Problem::in_progress(1).body()), "rendered again");
+        assert_eq!(&first[..], &Problem::in_progress(1).render()[..]);
+        let other = Problem::in_progress(2).body();
+        assert_eq!(&other[..], &Problem::in_progress(2).render()[..]);
+        assert!(!Rc::ptr_eq(&Problem::body_too_large(10).body(), &Problem::body_too_large(10).body()));
+        for s in 0..100 {
+            assert_eq!(&Problem::store_full(s).body()[..], &Problem::store_full(s).render()[..]);
+        }
+        assert!(RENDERED.with(|r| r.borrow().len()) <= RENDERED_MAX);
     }
 
     #[test]

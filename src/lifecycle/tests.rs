@@ -184,7 +184,7 @@ pub(super) fn status_of(reply: &Reply) -> u16 {
 
 pub(super) fn body_of(reply: &Reply) -> Vec<u8> {
     match reply {
-        Reply::Problem(p) => p.body(),
+        Reply::Problem(p) => p.body().to_vec(),
         Reply::Stored { response, .. } => response.body().to_vec(),
         Reply::Grpc(a) => a.message.as_bytes().to_vec(),
     }
