@@ -85,7 +85,7 @@ impl<S: SharedKv> SharedStore<S> {
         };
         // The table stamps the response in place: the lifecycle does not hold it meanwhile.
         let stamped = response.as_mut().map(Rc::make_mut);
-        match self.table.complete(&ticket, stamped, now_ms, retention_ms) {
+        match self.table.complete_with(&ticket, stamped, now_ms, retention_ms, &mut self.replays) {
             Ok(done) => {
                 self.tickets.remove(&owner.id);
                 let completed = match done {

@@ -474,7 +474,9 @@ impl<S: SharedKv> Table<S> {
                     let claim = Claiming { bucket_id, entry, tag, fingerprint, takeover };
                     if let Some(claimed) = self.try_claim(bucket, cas, claim, now_ms, lease_ms)? {
                         if let Begin::Claimed { ticket, .. } = &claimed {
-                            cache.forget(ticket.slot); // what it held is gone
+                            // What the slot held is gone, and so is what was kept of the key.
+                            cache.forget(ticket.slot);
+                            cache.forget_key(&tag);
                         }
                         return Ok(claimed);
                     }
@@ -609,6 +611,18 @@ impl<S: SharedKv> Table<S> {
         now_ms: u64,
         retention_ms: u64,
     ) -> Result<Completed, StoreError> {
+        self.complete_with(t, response, now_ms, retention_ms, &mut ReplayCache::new(0))
+    }
+
+    /// [`Table::complete`]; what it evicts to make room is dropped from this VM's `cache`.
+    pub fn complete_with(
+        &self,
+        t: &Ticket,
+        response: Option<&mut StoredResponse>,
+        now_ms: u64,
+        retention_ms: u64,
+        cache: &mut ReplayCache,
+    ) -> Result<Completed, StoreError> {
         let response = response.filter(|r| r.stored_len() as u64 <= self.layout.bucket_bytes);
         let bytes = response.as_ref().map_or(0, |r| r.stored_len() as u64);
         let mut read = None;
@@ -639,6 +653,7 @@ impl<S: SharedKv> Table<S> {
             bucket.set_entry(index, &entry);
             if self.write_bucket(bucket_id, &bucket, cas)? {
                 for (slot, gen) in freed {
+                    cache.forget(slot);
                     self.blank_data(slot, gen)?;
                 }
                 return Ok(if bytes > 0 { Completed::Stored(change) } else { Completed::WithoutBody(change) });

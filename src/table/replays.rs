@@ -10,8 +10,8 @@
 //!   slot is a later claim, or a blank once the entry is freed);
 //! - without one, for [`TRUST_MS`] after the last bucket read that confirmed it, and never past
 //!   the entry's retention, for the same key and fingerprint only. An eviction is seen at
-//!   most [`TRUST_MS`] late (at once when this VM's own claim made it): a retry of the evicted
-//!   key elsewhere runs again, here it is replayed the first answer meanwhile.
+//!   most [`TRUST_MS`] late (at once when this VM's own claim or completion made it): a retry
+//!   of the evicted key elsewhere runs again, here it is replayed the first answer meanwhile.
 
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -77,11 +77,11 @@ impl ReplayCache {
 
     /// Keeps the response of `entry` (completed, in `slot`), read at `now`.
     pub fn put(&mut self, slot: u32, entry: &Entry, response: &Rc<StoredResponse>, now_ms: u64) {
+        self.forget(slot);
         let cost = response.stored_len() + OVERHEAD_BYTES;
         if cost > self.max_bytes {
             return;
         }
-        self.forget(slot);
         let kept = Kept {
             gen: entry.gen,
             key: entry.key,
@@ -104,6 +104,15 @@ impl ReplayCache {
         if self.order.len() > 2 * self.by_slot.len() + 16 {
             let by_slot = &self.by_slot;
             self.order.retain(|(slot, gen)| by_slot.get(slot).is_some_and(|k| k.gen == *gen));
+        }
+    }
+
+    /// Drops the kept response of `key`, wherever it is: this VM claimed the key, so what was
+    /// kept of it is no longer its entry.
+    pub fn forget_key(&mut self, key: &KeyTag) {
+        let Some(&slot) = self.by_key.get(&short(key)) else { return };
+        if self.by_slot.get(&slot).is_some_and(|k| k.key == *key) {
+            self.forget(slot);
         }
     }
 
@@ -209,6 +218,9 @@ mod tests {
         assert_eq!(c.bytes(), 3 * one);
         assert_eq!(c.by_key.len(), 3);
         assert!(ReplayCache::new(0).get(0, &entry(0, 0), 0).is_none());
+        // A later claim of a slot whose response is too large to keep still drops the old one.
+        c.put(8, &entry(1, 8), &response(&"y".repeat(4 * one)), 0);
+        assert!(c.get(8, &entry(1, 8), 0).is_none() && c.trusted(&[8; 16], &Fingerprint([1; 16]), 0).is_none());
         let mut none = ReplayCache::new(one - 1);
         none.put(0, &entry(1, 0), &response("x"), 0);
         assert_eq!(none.bytes(), 0, "a response larger than the cache is not kept");

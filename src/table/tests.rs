@@ -526,3 +526,43 @@ fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
     ));
     assert_eq!(begin(&t, 64, later + 1, &mut cache), (replay(response("64 again")), 2));
 }
+
+/// This VM's own changes are never hidden by what it kept: a completion that evicts a kept
+/// entry to make room, and a claim of a key whose kept entry another VM had evicted, each drop
+/// it at once (review: both replayed the old answer for up to TRUST_MS).
+#[test]
+fn a_kept_replay_is_dropped_by_this_vms_own_evictions_and_claims() {
+    let one = response("0").stored_len() as u64;
+    // One bucket whose share of the byte budget holds three responses.
+    let t = table_with_budget(64, 3 * one);
+    let mut cache = ReplayCache::new(1 << 16);
+    for k in 0..3 {
+        let ticket = claim(&t, k, k);
+        done(complete(&t, &ticket, &k.to_string(), k, RETENTION));
+    }
+    let begin =
+        |k: u64, f: u8, now: u64, cache: &mut ReplayCache| t.begin_with(&key(k), &fp(f), now, LEASE, cache).unwrap();
+    assert_eq!(begin(0, 1, 10, &mut cache), replay(response("0")));
+    // Key 3's completion here evicts key 0 (the oldest) to make room.
+    let ticket = match begin(3, 1, 11, &mut cache) {
+        Begin::Claimed { ticket, .. } => ticket,
+        other => panic!("{other:?}"),
+    };
+    let change = done(t.complete_with(&ticket, Some(&mut response("3")), 12, RETENTION, &mut cache).unwrap());
+    assert_eq!(change.evicted, 1);
+    assert!(matches!(begin(0, 1, 13, &mut cache), Begin::Claimed { .. }), "key 0's kept answer replayed");
+
+    // Key 1 kept here; another VM's completion evicts it; then this VM claims key 1 for a
+    // different request: a retry of the first request meets that claim, not the kept answer.
+    assert_eq!(begin(1, 1, 20, &mut cache), replay(response("1")));
+    let mut other_vm = ReplayCache::new(1 << 16);
+    let ticket = match t.begin_with(&key(4), &fp(1), 21, LEASE, &mut other_vm).unwrap() {
+        Begin::Claimed { ticket, .. } => ticket,
+        other => panic!("{other:?}"),
+    };
+    t.complete_with(&ticket, Some(&mut response("4")), 22, RETENTION, &mut other_vm).unwrap();
+    // The other VM's next claim takes key 1's old slot: this VM's claim of key 1 lands elsewhere.
+    assert!(matches!(t.begin_with(&key(5), &fp(1), 22, LEASE, &mut other_vm).unwrap(), Begin::Claimed { .. }));
+    assert!(matches!(begin(1, 2, 23, &mut cache), Begin::Claimed { .. }), "key 1 was evicted");
+    assert_eq!(begin(1, 1, 24, &mut cache), Begin::Mismatch);
+}

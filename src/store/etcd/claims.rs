@@ -107,6 +107,7 @@ impl EtcdStore {
             busy,
             ending: None,
             retry: Backoff::default(),
+            unanswered: false,
             renew_wanted: None,
         };
         self.owners.insert(id, record);

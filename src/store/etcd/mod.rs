@@ -78,6 +78,8 @@ struct EtcdOwner {
     ending: Option<Ending>,
     /// After a refused completion or release: when to try again.
     retry: Backoff,
+    /// The last refusal was etcd not answering (unreachable, timed out, no leader).
+    unanswered: bool,
     /// A renewal that could not go yet (etcd failing, no usable lease): its `lease_ms`.
     renew_wanted: Option<u64>,
 }
@@ -259,12 +261,18 @@ impl EtcdStore {
     /// Keeps the VM lease and the retention leases ready, then sends claims, endings and
     /// cleanups.
     fn pump(&mut self, now: u64) {
-        // Owners first: while etcd fails, the one probe goes to a mark that would expire.
+        // Owners first: while etcd fails, the one probe goes to a mark that would expire. An
+        // owner's own backoff is cut short likewise only after etcd did not answer: a refusal
+        // (out of space) is answered at once, and there is no single probe to bound it.
         let timeout_ms = self.link.timeout_ms;
         let ready: Vec<u64> = self
             .owners
             .iter()
-            .filter(|(_, o)| o.ending.is_some() && !o.busy && o.retry.ready_by(now, o.entry.deadline_ms, timeout_ms))
+            .filter(|(_, o)| {
+                let retry =
+                    o.retry.ready(now) || (o.unanswered && o.retry.ready_by(now, o.entry.deadline_ms, timeout_ms));
+                o.ending.is_some() && !o.busy && retry
+            })
             .map(|(id, _)| *id)
             .collect();
         for id in ready {

@@ -131,8 +131,9 @@ impl EtcdStore {
                 let retention_s = retention_ms / 1000;
                 let usable = self.retention.get(&retention_s).filter(|(_, until)| now < *until).map(|(l, _)| *l);
                 let Some(lease) = usable else {
-                    // Completed entries ride a retention lease: get one first.
-                    if self.retention_pending.insert(retention_s) {
+                    // Completed entries ride a retention lease: get one first, not sooner than
+                    // the background backoff allows (a refused grant is not re-sent at once).
+                    if self.background.ready(now) && self.retention_pending.insert(retention_s) {
                         self.grant_retention(retention_s, now);
                     }
                     return;
@@ -211,6 +212,7 @@ impl EtcdStore {
             }
         }
         o.retry.fail(now, jitter);
+        o.unanswered = err.kind() == ErrorKind::Unreachable;
         let owner = o.owner;
         log::warn!("etcd: completion or release not acknowledged ({err:?}); retrying");
         self.answers.push_back((For::Owner(owner), Answer::Refused { error: StoreError::Unavailable, response: None }));

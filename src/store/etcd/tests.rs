@@ -529,3 +529,40 @@ fn after_an_outage_a_failed_cleanup_is_retried_soon() {
     let gone_at = gone_at.expect("the orphan mark was removed");
     assert!(gone_at <= 14_400, "the orphan mark stayed until {gone_at}");
 }
+
+/// Review: while etcd answers but refuses (out of space), an owner near its deadline retried
+/// every 100 ms, and a completion waiting for a retention lease re-sent the refused grant at
+/// once, answer after answer. Both wait for their backoff: a handful of calls, not thousands.
+#[test]
+fn an_etcd_out_of_space_is_not_hammered_by_a_waiting_completion() {
+    let (mut s, mut m) = (store(1), Model::new());
+    s.begin(For::Stream(1), &Claim { lease_ms: 3_000, ..claim("k") }, 0);
+    run(&mut s, &mut m, 0);
+    let Began::Claimed { owner, .. } = began(&mut s) else { panic!("not claimed") };
+    m.no_space = true;
+    // Refused at once, the mark's deadline 2.5 s away: no faster than its backoff (at 500, then
+    // at least 50, 100, 200, 400 and 800 ms after each refusal: 6 tries before 3,000).
+    s.complete(owner, Some(response("done")), RETENTION, 500);
+    let mut calls: std::collections::HashMap<&'static str, usize> = Default::default();
+    let mut before_deadline = 0;
+    for t in (500..10_500u64).step_by(10) {
+        s.tick(t);
+        let mut in_one_tick = 0;
+        while let Some((n, request)) = s.poll_call() {
+            in_one_tick += 1;
+            assert!(in_one_tick < 10, "at {t}: a loop of calls");
+            if let CallKind::Grpc { method, .. } = request.kind {
+                *calls.entry(method).or_default() += 1;
+                before_deadline += usize::from(method == "Txn" && t < 3_000);
+            }
+            let answer = m.handle(&request, t);
+            s.on_call_answer(n, &answer, t);
+        }
+        answers(&mut s);
+    }
+    let (txns, grants) = (calls.get("Txn").copied().unwrap_or(0), calls.get("LeaseGrant").copied().unwrap_or(0));
+    // Backoffs of 100 ms doubling to 2 s: about 9 rounds in 10 s, each a completion or two
+    // grants (the VM's lease and the retention lease).
+    assert!(txns <= 12 && grants <= 20, "{txns} completions and {grants} lease grants in 10 s");
+    assert!(before_deadline <= 6, "{before_deadline} completions in the 2.5 s before the deadline");
+}
