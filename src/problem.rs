@@ -197,13 +197,19 @@ impl Problem {
             return body;
         }
         let body: Rc<[u8]> = self.render().into();
-        let (status, slug, retry_after) = (self.status, self.slug, self.retry_after);
+        let rendered = Rendered {
+            status: self.status,
+            slug: self.slug,
+            detail,
+            retry_after: self.retry_after,
+            body: Rc::clone(&body),
+        };
         RENDERED.with(|r| {
             let mut r = r.borrow_mut();
             if r.len() >= RENDERED_MAX {
                 r.remove(0);
             }
-            r.push(Rendered { status, slug, detail, retry_after, body: Rc::clone(&body) });
+            r.push(rendered);
         });
         body
     }

@@ -313,7 +313,7 @@ impl EtcdStore {
             let Some(&retention_s) = self.retentions.get(i) else { break };
             let fresh =
                 self.retention.get(&retention_s).is_some_and(|(_, until)| now + slack_s(retention_s) * 500 < *until);
-            if !fresh && self.retention_pending.insert(retention_s) {
+            if !fresh {
                 self.grant_retention(retention_s, now);
             }
         }
@@ -333,7 +333,12 @@ impl EtcdStore {
         }
     }
 
+    /// Asks for a retention lease, unless one is on its way or the background backoff holds (a
+    /// refused grant is not re-sent at once, whoever wants the lease).
     fn grant_retention(&mut self, retention_s: u64, now: u64) {
+        if !self.background.ready(now) || !self.retention_pending.insert(retention_s) {
+            return;
+        }
         let request = Request::Grant { ttl_s: retention_s + slack_s(retention_s) };
         if !self.send(request, Op::GrantRetention(retention_s), now) {
             self.retention_pending.remove(&retention_s);

@@ -69,8 +69,12 @@ impl EtcdStore {
     pub(super) fn send_renew(&mut self, id: u64, lease_ms: u64, now: u64) {
         let lease = self.usable_lease(now);
         let Some(o) = self.owners.get_mut(&id) else { return };
-        o.renew_wanted = o.ending.is_none().then_some(lease_ms);
-        let Some(lease) = lease.filter(|_| !o.busy && o.ending.is_none()) else { return };
+        if o.ending.is_some() {
+            o.renew_wanted = None;
+            return;
+        }
+        o.renew_wanted = Some(lease_ms);
+        let Some(lease) = lease.filter(|_| !o.busy) else { return };
         let entry = Entry { deadline_ms: now.saturating_add(lease_ms), ..o.entry };
         let request = Request::replace(&o.key, o.mod_revision, encode_entry(&entry, None), lease);
         let need_by_ms = o.entry.deadline_ms;
@@ -131,11 +135,8 @@ impl EtcdStore {
                 let retention_s = retention_ms / 1000;
                 let usable = self.retention.get(&retention_s).filter(|(_, until)| now < *until).map(|(l, _)| *l);
                 let Some(lease) = usable else {
-                    // Completed entries ride a retention lease: get one first, not sooner than
-                    // the background backoff allows (a refused grant is not re-sent at once).
-                    if self.background.ready(now) && self.retention_pending.insert(retention_s) {
-                        self.grant_retention(retention_s, now);
-                    }
+                    // Completed entries ride a retention lease: get one first.
+                    self.grant_retention(retention_s, now);
                     return;
                 };
                 let state = if response.is_some() { State::Completed } else { State::CompletedNoBody };
