@@ -1,5 +1,6 @@
-"""Plugin builds side by side in one Envoy: the replay's (or the 409's) Envoy CPU per request of
-each build against the least control filter (W6 or W7 of bench.py) and the floor (W4 or W5).
+"""Plugin builds side by side in one Envoy: the Envoy CPU per request of each build on one path
+against the least control filter of that path and its floor (bench.py): the replay (W6, W4),
+the 409 (W7, W5), the first call detached (W9, W3) or through the router (W10, W1).
 
 The builds run in the same process, one Envoy worker on one core and wrk on the other, in many
 short rounds whose order rotates; each figure is the median over the rounds of that round's
@@ -8,6 +9,8 @@ pair of builds moved by up to 0.10 between runs: run it several times (docs/perf
 Not a timed test: it prints ratios measured in one run.
 
     .venv/bin/python bench/ab.py replay 14 1 A.wasm B.wasm [...]   (mode, rounds, seconds)
+
+Modes: replay, conflict, first (detached), router.
 """
 import os
 import statistics
@@ -19,9 +22,10 @@ import bench as B
 
 
 def main():
-    if len(sys.argv) < 5 or sys.argv[1] not in ("replay", "conflict"):
+    if len(sys.argv) < 5 or sys.argv[1] not in ("replay", "conflict", "first", "router"):
         sys.exit(__doc__)
     mode, rounds, seconds, wasms = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+    first_call = mode in ("first", "router")
     slow, up = B.Upstream(), B.upstream_envoy("0-1")
     front, socks = None, []
     try:
@@ -33,9 +37,12 @@ def main():
             name = f"build{i}"
             ports[name] = B.free_port()
             conf = {"capacity": 262144, "namespace": f"ab{i}", "lease_ms": 2000}
+            if mode == "router":
+                conf["forward"] = "router"
             listeners.append(B.listener(name, ports[name], routes, [B.plugin(conf, name, wasm)]))
-        least = ("least-kept-" if mode == "replay" else "least-") + answer
-        for name, control in (("least", least), ("floor", answer)):
+        floor = {"first": "detach", "router": "buffer"}.get(mode, answer)
+        least = {"replay": "least-kept-"}.get(mode, "least-") + floor
+        for name, control in (("least", least), ("floor", floor)):
             ports[name] = B.free_port()
             listeners.append(B.listener(name, ports[name], routes, [B.control(control, B.CONTROL_WASM, name=name)]))
         clusters = [B.static_cluster("upstream", up.port), B.static_cluster("slow", slow.port)]
@@ -48,7 +55,7 @@ def main():
                 B.post(port, key)
                 if B.post(port, key).header("idempotent-replayed") != "true":
                     sys.exit(f"build {i}: the key does not replay")
-            else:
+            elif mode == "conflict":
                 socks.append(B.open_slow_call(port, key, hold_ms))
         if mode == "conflict":
             deadline = time.monotonic() + 5
@@ -58,16 +65,19 @@ def main():
                 status = B.post(ports[f"build{i}"], key).status
                 if status != 409:
                     sys.exit(f"build {i}: the held key answers {status}, not 409")
-        args, case = SimpleNamespace(threads=1, connections=32), {"script": "fixed"}
+        args = SimpleNamespace(threads=1, connections=32)
+        case = {"script": "unique", "method": "POST"} if first_call else {"script": "fixed"}
         names = list(ports)
         cpu_us = {n: [] for n in names}
         for n in names:
-            B.run_wrk(ports[n], case, args, 1, key=key, cpus="1")  # warm-up
+            B.run_wrk(ports[n], case, args, 1, prefix=f"{key}-w-{n}", key=key, cpus="1")  # warm-up
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in reversed(order) if r % 2 else order:
                 before = front.cpu_s()
-                out = B.run_wrk(ports[n], case, args, seconds, key=key, cpus="1")
+                out = B.run_wrk(ports[n], case, args, seconds, prefix=f"{key}-{r}-{n}", key=key, cpus="1")
+                if first_call and out["status_errors"]:
+                    sys.exit(f"{n}: {out['status_errors']} answers were not 2xx")
                 cpu_us[n].append((front.cpu_s() - before) / max(out["requests"], 1) * 1e6)
         for i, n in enumerate(names):
             label = wasms[i] if n.startswith("build") else n

@@ -12,7 +12,8 @@
 //!     --callgrind-out-file=/tmp/first.out target/release/examples/lifecycle_driver first 5000
 //!   callgrind_annotate --inclusive=yes /tmp/first.out | head -60
 //!
-//! Usage: lifecycle_driver <first|replay|conflict> [N]
+//! Usage: lifecycle_driver <first|router|replay|conflict> [N] ("router": forward "router", the
+//! answer through Envoy's router; the others detached)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use std::hint::black_box;
@@ -33,6 +34,7 @@ struct Request {
 }
 
 const BODY: &[u8] = br#"{"amount":10}"#;
+const ANSWER: &[u8] = br#"{"charged":10}"#;
 
 impl Host for Request {
     fn now_ms(&self) -> u64 {
@@ -54,10 +56,21 @@ impl Host for Request {
         Vec::new()
     }
     fn response_headers(&self) -> Headers {
-        vec![(":status".into(), b"201".to_vec())]
+        // As Envoy's router passes the upstream's answer on (mode "router").
+        [
+            (":status", "201"),
+            ("content-type", "application/json"),
+            ("content-length", "14"),
+            ("date", "Tue, 01 Dec 2026 22:00:00 GMT"),
+            ("server", "envoy"),
+            ("x-envoy-upstream-service-time", "0"),
+        ]
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+        .collect()
     }
-    fn response_body(&self, _size: usize) -> Vec<u8> {
-        Vec::new()
+    fn response_body(&self, size: usize) -> Vec<u8> {
+        ANSWER.iter().take(size).copied().collect()
     }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         (path == ["xds", "cluster_name"]).then(|| b"upstream".to_vec())
@@ -66,7 +79,7 @@ impl Host for Request {
         vec![(":status".into(), b"201".to_vec()), ("content-type".into(), b"application/json".to_vec())]
     }
     fn call_body(&self, size: usize) -> Vec<u8> {
-        br#"{"charged":10}"#.iter().take(size).copied().collect()
+        ANSWER.iter().take(size).copied().collect()
     }
     fn grpc_message(&self, _size: usize) -> Vec<u8> {
         Vec::new()
@@ -92,8 +105,9 @@ fn request(key: &str, now: u64) -> Request {
     Request { headers: pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect(), now }
 }
 
-fn core() -> Core {
-    let config = Config::parse(br#"{"namespace":"abi"}"#).unwrap();
+fn core(router: bool) -> Core {
+    let config = if router { &br#"{"namespace":"abi","forward":"router"}"#[..] } else { br#"{"namespace":"abi"}"# };
+    let config = Config::parse(config).unwrap();
     let kv: &'static MemoryKv = Box::leak(Box::new(MemoryKv::new()));
     let table = Table::new(kv, Layout::new(&config.namespace, config.capacity, config.max_store_bytes));
     table.create().unwrap();
@@ -101,7 +115,8 @@ fn core() -> Core {
     Lifecycle::new(config, SharedStore::new(table, tick, 0))
 }
 
-/// One request, to its end; the root's call (detached forwarding) answered at once.
+/// One request, to its end; the root's call (detached forwarding) answered at once, or the
+/// router's answer passed through.
 #[inline(never)]
 fn op_request(core: &mut Core, id: u32, host: &Request) -> usize {
     core.on_request_headers(host, id, false);
@@ -119,7 +134,7 @@ fn op_request(core: &mut Core, id: u32, host: &Request) -> usize {
     effects.extend(core.take_effects());
     if core.watches_response(id) {
         core.on_response_headers(host, id, false);
-        core.on_response_body(host, id, 0, true);
+        core.on_response_body(host, id, ANSWER.len(), true);
     }
     core.on_stream_done(id);
     effects.extend(core.take_effects());
@@ -130,11 +145,11 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mode = args.get(1).map(String::as_str).unwrap_or("first");
     let n: u32 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5_000);
-    let mut core = core();
+    let mut core = core(mode == "router");
     let now = 1_700_000_000_000;
     let fixed = request("fixed", now);
     match mode {
-        "first" => {}
+        "first" | "router" => {}
         "replay" => {
             op_request(&mut core, 1, &fixed);
         }
@@ -147,7 +162,7 @@ fn main() {
         other => panic!("unknown mode {other}"),
     }
     for i in 0..n {
-        let host = if mode == "first" { request(&format!("k-{i}"), now + u64::from(i)) } else { request("fixed", now) };
+        let host = if matches!(mode, "first" | "router") { request(&format!("k-{i}"), now + u64::from(i)) } else { request("fixed", now) };
         black_box(op_request(&mut core, 2 + i, &host));
     }
 }

@@ -22,6 +22,9 @@ pub(super) struct Capture {
     head: usize,
 }
 
+/// The header Envoy's router adds to an upstream's own answer (SPEC §4).
+const UPSTREAM_SERVICE_TIME: &str = "x-envoy-upstream-service-time";
+
 /// How a detached call ended. Envoy's own answers carry no `x-envoy-upstream-service-time`
 /// and a telltale body (SPEC §4).
 enum Outcome {
@@ -59,7 +62,7 @@ fn classify(answer: CallAnswer) -> Outcome {
     if status == 0 {
         return Outcome::NoAnswer { status: 502, reason: "The upstream connection broke before a complete answer" };
     }
-    let from_upstream = headers.iter().any(|(n, _)| n == "x-envoy-upstream-service-time");
+    let from_upstream = headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME);
     if !from_upstream {
         if status == 503 && body.starts_with(b"upstream connect error or disconnect/reset before headers") {
             let says = |word: &[u8]| body.windows(word.len()).any(|w| w == word);
@@ -328,12 +331,15 @@ impl<S: Store> Lifecycle<S> {
             stream.phase = Phase::Pass; // forwarded without a claim
             return Flow::Continue;
         };
-        let now = host.now_ms();
         let headers = host.response_headers();
         let status = status_of(&headers);
         // Only an answer the upstream really gave completes the key; Envoy's own (connect
-        // failure, reset, route timeout) says the work may not have happened (SPEC §4).
-        let via_upstream = host.property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");
+        // failure, reset, route timeout) says the work may not have happened (SPEC §4). The
+        // router marks an upstream's answer with its service time (unless its Envoy headers
+        // are suppressed), which Envoy's own answers never carry: the property, a costly host
+        // call, is read only without it.
+        let via_upstream = headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME)
+            || host.property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");
         let p = self.config.clone();
         let p = p.policy(policy);
         // A gRPC answer without messages (trailers-only) has its status in the headers.
@@ -346,7 +352,7 @@ impl<S: Store> Lifecycle<S> {
                 self.count(Counter::UpstreamFailed);
             }
             self.set_phase(id, Phase::Pass);
-            self.release(owner, now);
+            self.release(owner, host.now_ms());
             return Flow::Continue;
         }
         let headers: Headers = headers.into_iter().filter(|(n, _)| !is_hop_by_hop(n)).collect();
@@ -355,7 +361,7 @@ impl<S: Store> Lifecycle<S> {
             (head <= p.max_response_bytes).then(|| self.buffered.reserve(head)).flatten().map(|r| (Vec::new(), r));
         self.set_phase(id, Phase::Owner { owner: Some(owner), capture: Some(Capture { status, headers, kept, head }) });
         if end_of_stream {
-            return self.finish_capture(id, now);
+            return self.finish_capture(id, host.now_ms());
         }
         Flow::Continue
     }
