@@ -1,7 +1,5 @@
 //! The `Idempotency-Key` header (SPEC §3.1) and the store key derived from it.
 
-use sha2::{Digest, Sha256};
-
 /// Why a key header was refused with 400.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyError {
@@ -73,11 +71,23 @@ pub struct StoreKey(pub [u8; 32]);
 
 impl StoreKey {
     pub fn derive(namespace: &str, authority: &[u8], scopes: &[Option<&[u8]>], key: &[u8]) -> StoreKey {
-        let mut h = Sha256::new();
+        Self::derive_noting_retries(namespace, authority, scopes, key).0
+    }
+
+    /// The store key, and whether this VM saw the same one a few keys ago (a retry: its body
+    /// and fingerprint go through the digest memo too).
+    pub fn derive_noting_retries(
+        namespace: &str,
+        authority: &[u8],
+        scopes: &[Option<&[u8]>],
+        key: &[u8],
+    ) -> (StoreKey, bool) {
+        // The message whole, so that a retry's is found in the digest memo.
+        let mut message = Vec::with_capacity(160);
         // Length prefixes keep ("ab","c") and ("a","bc") apart.
         let mut field = |bytes: &[u8]| {
-            h.update((bytes.len() as u64).to_le_bytes());
-            h.update(bytes);
+            message.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            message.extend_from_slice(bytes);
         };
         field(namespace.as_bytes());
         field(authority);
@@ -89,7 +99,8 @@ impl StoreKey {
             }
         }
         field(key);
-        StoreKey(h.finalize().into())
+        let (digest, retry) = crate::digest::key_sha256(&message);
+        (StoreKey(digest), retry)
     }
 
     /// A short hex form for logs (never the raw key).

@@ -9,6 +9,7 @@
 
 pub mod budget;
 pub mod config;
+pub mod digest;
 pub mod encoding;
 pub mod fingerprint;
 pub mod fuzzing;

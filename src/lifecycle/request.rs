@@ -111,8 +111,9 @@ fn covered(
     }
     let scope_refs: Vec<Option<&[u8]>> = scopes.iter().map(|s| s.as_deref()).collect();
     let authority = headers.get(":authority").unwrap_or_default();
-    let key = StoreKey::derive(&config.namespace, authority, &scope_refs, &client_key);
-    let mut fingerprint = FingerprintBuilder::new(method, headers.get(":path").unwrap_or_default());
+    let (key, retry) = StoreKey::derive_noting_retries(&config.namespace, authority, &scope_refs, &client_key);
+    let mut fingerprint =
+        FingerprintBuilder::new(method, headers.get(":path").unwrap_or_default()).for_retry_of(retry.then_some(key.0));
     for name in &policy.fingerprint_headers {
         fingerprint.header(name, headers.values(name));
     }

@@ -313,6 +313,33 @@ fn router_answers_envoy_made_up_release_the_key() {
 }
 
 #[test]
+fn a_retry_storm_decides_alike_with_its_digests_from_the_memo() {
+    // From the third request on, a retry's key, body and fingerprint digests come from the
+    // VM's digest memo: the same decisions, and a changed body or another caller is told apart.
+    let mut l = lifecycle("{}");
+    send(&mut l, 1, &post("storm", "{}"), 0);
+    let mut conflicts = 0;
+    for id in 2..8 {
+        let (_, effects) = send(&mut l, id, &post("storm", "{}"), 1);
+        conflicts += usize::from(status_of(&replies(&effects)[0].1) == 409);
+    }
+    assert_eq!(conflicts, 6);
+    answer_detached(&mut l, &upstream_answer("201", "made"), 2);
+    for id in 10..16 {
+        let (_, effects) = send(&mut l, id, &post("storm", "{}"), 3);
+        let sent = replies(&effects);
+        assert!(is_replay(&sent[0].1) && body_of(&sent[0].1) == b"made", "{id}");
+        let (_, effects) = send(&mut l, id + 100, &post("storm", r#"{"x":1}"#), 3);
+        assert_eq!(status_of(&replies(&effects)[0].1), 422, "another body of the key");
+    }
+    let mut other_caller = post("storm", "{}");
+    other_caller.request.retain(|(n, _)| n != "authorization");
+    other_caller.request.push(("authorization".into(), b"Bearer u".to_vec()));
+    let (_, effects) = send(&mut l, 200, &other_caller, 4);
+    assert_eq!(count(&effects, Counter::Claimed), 1, "another caller's key of the same name");
+}
+
+#[test]
 fn duplicates_in_progress_get_409_and_a_failure_releases() {
     let mut l = lifecycle("{}");
     send(&mut l, 1, &post("k", "{}"), 0);
