@@ -6,8 +6,9 @@
 //! A message is remembered by its exact bytes, compared in full: a hit is the digest of the
 //! same bytes, whatever the cheap hash that finds it says. A store key is kept once seen
 //! twice within the last `SEEN` keys, and a retry's body and fingerprint with it, so a flood
-//! of new keys costs a cheap hash per key and never churns the memo. Per VM (one per worker thread): at most `MEMO_BYTES` of
-//! messages, none over `MAX_MESSAGE` bytes (docs/memory.md).
+//! of new keys costs a cheap hash per key and never churns the memo. Per VM (one per worker
+//! thread): at most `MAX_ENTRIES` entries and `MEMO_BYTES`, each entry's overhead counted, no
+//! message over `MAX_MESSAGE` bytes (docs/memory.md).
 
 use sha2::{Digest, Sha256};
 use std::cell::RefCell;
@@ -15,8 +16,13 @@ use std::collections::VecDeque;
 
 /// The longest message kept: a store key with a long bearer token, a small body.
 pub const MAX_MESSAGE: usize = 4096;
-/// The bytes of messages kept at most, per VM.
+/// The bytes the memo keeps at most, per VM: its messages, and `ENTRY_OVERHEAD` for each.
 pub const MEMO_BYTES: usize = 32 * 1024;
+/// Entries at most (each lookup compares the cheap hashes of all): three per key of a retry
+/// storm on about twenty keys at once.
+pub const MAX_ENTRIES: usize = 64;
+/// What an entry holds besides its message (its owner, digest, cheap hash, vector), rounded up.
+pub const ENTRY_OVERHEAD: usize = 96;
 /// How many recent messages' cheap hashes are kept to tell a message seen again.
 const SEEN: usize = 32;
 
@@ -60,19 +66,20 @@ impl DigestMemo {
         (digest, seen)
     }
 
-    /// Bytes of messages kept now (within `MEMO_BYTES`).
+    /// Bytes kept now, overheads included (within `MEMO_BYTES`).
     pub fn kept_bytes(&self) -> usize {
         self.kept_bytes
     }
 
     fn keep(&mut self, owner: [u8; 32], hash: u64, message: &[u8], digest: [u8; 32]) {
-        while self.kept_bytes + message.len() > MEMO_BYTES {
+        let bytes = message.len() + ENTRY_OVERHEAD;
+        while self.kept_bytes + bytes > MEMO_BYTES || self.kept.len() >= MAX_ENTRIES {
             match self.kept.pop_front() {
-                Some(old) => self.kept_bytes -= old.message.len(),
+                Some(old) => self.kept_bytes -= old.message.len() + ENTRY_OVERHEAD,
                 None => return,
             }
         }
-        self.kept_bytes += message.len();
+        self.kept_bytes += bytes;
         self.kept.push_back(Kept { owner, hash, message: message.to_vec(), digest });
     }
 
@@ -145,12 +152,12 @@ mod tests {
         assert_eq!(memo.sha256(&NO_OWNER, b"retry", false), (plain(b"retry"), false));
         assert_eq!(memo.kept_bytes(), 0, "seen once: only its cheap hash");
         assert_eq!(memo.sha256(&NO_OWNER, b"retry", false), (plain(b"retry"), true), "seen again");
-        assert_eq!(memo.kept_bytes(), 5, "seen again: kept");
+        assert_eq!(memo.kept_bytes(), 5 + ENTRY_OVERHEAD, "seen again: kept");
         assert_eq!(memo.sha256(&NO_OWNER, b"retry", false), (plain(b"retry"), true));
         assert_eq!(memo.sha256(&NO_OWNER, b"retrx", false), (plain(b"retrx"), false), "other bytes: their own digest");
         let key = [1u8; 32];
         assert_eq!(memo.sha256(&key, b"body", true), (plain(b"body"), false));
-        assert_eq!(memo.kept_bytes(), 9, "a retry's other messages: kept at once");
+        assert_eq!(memo.kept_bytes(), 9 + 2 * ENTRY_OVERHEAD, "a retry's other messages: kept at once");
         assert_eq!(memo.sha256(&key, b"body", true), (plain(b"body"), true));
         assert_eq!(memo.sha256(&[2u8; 32], b"body", false), (plain(b"body"), false), "kept for its key only");
     }
@@ -183,7 +190,12 @@ mod tests {
             assert_eq!(memo.sha256(&NO_OWNER, &m, false).0, plain(&m));
             assert!(memo.kept_bytes() <= MEMO_BYTES);
         }
-        assert_eq!(memo.kept_bytes(), MEMO_BYTES, "the oldest made room");
+        assert_eq!(memo.kept.len(), MEMO_BYTES / (MAX_MESSAGE + ENTRY_OVERHEAD), "the oldest made room");
+        for i in 0..2_000u32 {
+            memo.sha256(&NO_OWNER, &i.to_le_bytes(), true);
+            assert!(memo.kept_bytes() <= MEMO_BYTES);
+        }
+        assert_eq!(memo.kept.len(), MAX_ENTRIES, "tiny messages: bounded in count too");
         let huge = vec![1u8; MAX_MESSAGE + 1];
         memo.sha256(&NO_OWNER, &huge, true);
         assert_eq!(memo.sha256(&NO_OWNER, &huge, true).0, plain(&huge));
