@@ -46,7 +46,8 @@ def main():
             ports[name] = B.free_port()
             listeners.append(B.listener(name, ports[name], routes, [B.control(control, B.CONTROL_WASM, name=name)]))
         clusters = [B.static_cluster("upstream", up.port), B.static_cluster("slow", slow.port)]
-        front = B.EnvoyProc("front", B.bootstrap(listeners, clusters), concurrency=1, cpus="0")
+        workers = int(os.environ.get("AB_WORKERS", "1"))  # 2: as make bench, wrk sharing the cores
+        front = B.EnvoyProc("front", B.bootstrap(listeners, clusters), concurrency=workers, cpus="0" if workers == 1 else "0-1")
         key = f"ab-{os.urandom(4).hex()}"
         hold_ms = (rounds * seconds * len(ports) * 2 + 60) * 1000
         for i in range(len(wasms)):

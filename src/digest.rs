@@ -25,6 +25,9 @@ pub const MAX_ENTRIES: usize = 64;
 pub const ENTRY_OVERHEAD: usize = 96;
 /// How many recent messages' cheap hashes are kept to tell a message seen again.
 const SEEN: usize = 32;
+/// A message not used for a window of this long is dropped (`forget_idle`), its bytes zeroed:
+/// a retry's key, scope and body stay in the VM's memory about a second after its last retry.
+pub const IDLE_WINDOW_MS: u64 = 500;
 
 /// The digests of messages seen more than once.
 #[derive(Default)]
@@ -34,6 +37,9 @@ pub struct DigestMemo {
     /// Cheap hashes of recent messages, oldest overwritten first.
     seen: Vec<u64>,
     next_seen: usize,
+    /// Advanced every `IDLE_WINDOW_MS`; each entry notes the one it was last used in.
+    window: u64,
+    window_start_ms: u64,
 }
 
 struct Kept {
@@ -42,6 +48,15 @@ struct Kept {
     hash: u64,
     message: Vec<u8>,
     digest: [u8; 32],
+    used_in: u64,
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        // The message may hold a bearer token or a body: not left behind in freed memory.
+        self.message.fill(0);
+        std::hint::black_box(&self.message);
+    }
 }
 
 impl DigestMemo {
@@ -53,7 +68,9 @@ impl DigestMemo {
             return (Sha256::digest(message).into(), false);
         }
         let hash = cheap_hash(message);
-        if let Some(k) = self.kept.iter().find(|k| k.hash == hash && k.owner == *owner && k.message == message) {
+        let window = self.window;
+        if let Some(k) = self.kept.iter_mut().find(|k| k.hash == hash && k.owner == *owner && k.message == message) {
+            k.used_in = window;
             return (k.digest, true);
         }
         let digest: [u8; 32] = Sha256::digest(message).into();
@@ -80,7 +97,19 @@ impl DigestMemo {
             }
         }
         self.kept_bytes += bytes;
-        self.kept.push_back(Kept { owner, hash, message: message.to_vec(), digest });
+        self.kept.push_back(Kept { owner, hash, message: message.to_vec(), digest, used_in: self.window });
+    }
+
+    /// Drops what was not used in this window or the last (`IDLE_WINDOW_MS` each).
+    pub fn forget_idle(&mut self, now_ms: u64) {
+        if now_ms.saturating_sub(self.window_start_ms) < IDLE_WINDOW_MS {
+            return;
+        }
+        self.window += 1;
+        self.window_start_ms = now_ms;
+        let window = self.window;
+        self.kept.retain(|k| k.used_in + 1 >= window);
+        self.kept_bytes = self.kept.iter().map(|k| k.message.len() + ENTRY_OVERHEAD).sum();
     }
 
     fn saw(&mut self, hash: u64) {
@@ -110,6 +139,11 @@ pub fn key_sha256(message: &[u8]) -> ([u8; 32], bool) {
 /// not, and a flood of new keys must not churn the memo.
 pub fn retry_sha256(key: &[u8; 32], message: &[u8]) -> [u8; 32] {
     with_memo(|memo| memo.sha256(key, message, true).0).unwrap_or_else(|| plain(message))
+}
+
+/// Called from the VM's timer: drops messages idle for a window or more.
+pub fn forget_idle(now_ms: u64) {
+    let _ = with_memo(|memo| memo.forget_idle(now_ms));
 }
 
 /// A store key's message holds its own scope: it is kept for no other owner.
@@ -200,6 +234,23 @@ mod tests {
         memo.sha256(&NO_OWNER, &huge, true);
         assert_eq!(memo.sha256(&NO_OWNER, &huge, true).0, plain(&huge));
         assert!(memo.kept.iter().all(|k| k.message.len() <= MAX_MESSAGE), "too long to keep");
+    }
+
+    #[test]
+    fn what_a_retry_left_is_dropped_about_a_second_after_its_last_use() {
+        let mut memo = DigestMemo::default();
+        memo.forget_idle(1_000);
+        memo.sha256(&NO_OWNER, b"storm", true);
+        memo.sha256(&NO_OWNER, b"quiet", true);
+        for now in (1_100..=2_400).step_by(100) {
+            memo.sha256(&NO_OWNER, b"storm", false);
+            memo.forget_idle(now);
+        }
+        assert_eq!(memo.kept.len(), 1, "the one still retried stays");
+        assert_eq!(memo.kept_bytes(), 5 + ENTRY_OVERHEAD);
+        memo.forget_idle(2_900);
+        memo.forget_idle(3_400);
+        assert_eq!((memo.kept.len(), memo.kept_bytes()), (0, 0), "then it goes too");
     }
 
     #[test]

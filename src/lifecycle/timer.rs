@@ -13,6 +13,7 @@ const BODY_WAIT_MS: u64 = 3_000;
 impl<S: Store> Lifecycle<S> {
     pub fn on_tick(&mut self, now: u64) {
         self.check_body_delivery(now);
+        crate::digest::forget_idle(now);
         self.expire_ends(now);
         self.poll_waiters(now);
         self.renew_due(now, true);
