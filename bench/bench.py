@@ -163,8 +163,9 @@ CASES = [
      "script": "fixed", "expect": "local_error"},
     # The same, plus what any idempotency filter keeping its table in shared data must do
     # on the path: the three SHA-256 digests of a covered request (store key, body,
-    # fingerprint), one read of the key's bucket and one of the clock. The least such a
-    # filter costs: the limit of the plugin's replay and 409.
+    # fingerprint; a request repeating the last one byte for byte reuses its digests, as the
+    # plugin's digest memo does), one read of the key's bucket and one of the clock. The least
+    # such a filter costs: the limit of the plugin's replay and 409.
     {"id": "W6", "group": "replay", "label": "W6: W4 + digests, clock (least replay, from a kept copy)",
      "listener": "wasm_replay_least", "script": "fixed", "expect": "local"},
     {"id": "W7", "group": "conflict", "label": "W7: W5 + digests, bucket read, clock (least 409)",
@@ -1122,8 +1123,10 @@ def markdown(res):
         "The limit: what the least an idempotency filter keeping its table in shared data "
         "costs above each floor, measured with the same controls doing that work besides "
         "their answer (W8 reads the method; W6 and W7 compute the three SHA-256 digests of a "
-        "covered request and read the clock, and W7 a bucket-sized value (W6 answers a retry "
-        "storm from a kept copy, as the plugin does); W9 and W10 compute the "
+        "covered request, or reuse the last request's when a request repeats it byte for byte "
+        "(a retry storm, as the plugin's digest memo does), and read the clock, and W7 a "
+        "bucket-sized value (W6 answers a retry storm from a kept copy, as the plugin does); "
+        "W9 and W10 compute the "
         "digests, claim (read and write a bucket, the clock) and complete (read the bucket "
         "and the response's key, write both, the clock)). A VS_FLOOR goal above its LIMIT "
         "cannot be met by any filter of this design; VS_LEAST is the plugin's own share.",
