@@ -21,12 +21,13 @@ pub const MEMO_BYTES: usize = 32 * 1024;
 /// Entries at most (each lookup compares the cheap hashes of all): three per key of a retry
 /// storm on about twenty keys at once.
 pub const MAX_ENTRIES: usize = 64;
-/// What an entry holds besides its message (its owner, digest, cheap hash, vector), rounded up.
-pub const ENTRY_OVERHEAD: usize = 96;
+/// What an entry holds besides its message (its owner, digest, cheap hash, vector: 104 bytes
+/// on a 64-bit host, 96 on wasm32), with the allocator's header and the queue's slot.
+pub const ENTRY_OVERHEAD: usize = 128;
 /// How many recent messages' cheap hashes are kept to tell a message seen again.
 const SEEN: usize = 32;
-/// A message not used for a window of this long is dropped (`forget_idle`), its bytes zeroed:
-/// a retry's key, scope and body stay in the VM's memory about a second after its last retry.
+/// A message not used for a window of this long is dropped (`forget_idle`), the memo's copy
+/// zeroed: a retry's key, scope and body stay in the memo about a second after its last retry.
 pub const IDLE_WINDOW_MS: u64 = 500;
 
 /// The digests of messages seen more than once.
@@ -102,7 +103,8 @@ impl DigestMemo {
 
     /// Drops what was not used in this window or the last (`IDLE_WINDOW_MS` each).
     pub fn forget_idle(&mut self, now_ms: u64) {
-        if now_ms.saturating_sub(self.window_start_ms) < IDLE_WINDOW_MS {
+        // A clock stepped back starts a window too: entries must not outlive it.
+        if now_ms >= self.window_start_ms && now_ms - self.window_start_ms < IDLE_WINDOW_MS {
             return;
         }
         self.window += 1;
@@ -251,6 +253,12 @@ mod tests {
         memo.forget_idle(2_900);
         memo.forget_idle(3_400);
         assert_eq!((memo.kept.len(), memo.kept_bytes()), (0, 0), "then it goes too");
+        memo.sha256(&NO_OWNER, b"again", true);
+        memo.forget_idle(100); // the clock stepped back
+        memo.forget_idle(200);
+        assert_eq!(memo.kept.len(), 1, "used in the last window");
+        memo.forget_idle(50);
+        assert_eq!(memo.kept.len(), 0, "a clock going back does not keep it longer");
     }
 
     #[test]

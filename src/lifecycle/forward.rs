@@ -334,12 +334,10 @@ impl<S: Store> Lifecycle<S> {
         let headers = host.response_headers();
         let status = status_of(&headers);
         // Only an answer the upstream really gave completes the key; Envoy's own (connect
-        // failure, reset, route timeout) says the work may not have happened (SPEC §4). The
-        // router marks an upstream's answer with its service time (unless its Envoy headers
-        // are suppressed), which Envoy's own answers never carry: the property, a costly host
-        // call, is read only without it.
-        let via_upstream = headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME)
-            || host.property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");
+        // failure, reset, route timeout) says the work may not have happened (SPEC §4). Not
+        // told by `x-envoy-upstream-service-time`: a filter's own reply may relay it from a
+        // side call (ext_authz's denial copies its server's headers).
+        let via_upstream = host.property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");
         let p = self.config.clone();
         let p = p.policy(policy);
         // A gRPC answer without messages (trailers-only) has its status in the headers.

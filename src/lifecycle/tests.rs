@@ -278,22 +278,23 @@ fn router_first_call_is_captured_as_it_passes_then_replayed() {
 }
 
 #[test]
-fn router_answers_with_the_upstreams_service_time_complete_without_the_property() {
-    // The router adds the header to an upstream's own answer; the costly property read is
-    // left for answers without it (suppressed Envoy headers: the test above).
+fn router_a_filters_own_reply_relaying_a_side_calls_headers_releases_the_key() {
+    // ext_authz's denial copies its server's answer headers, the async client's service time
+    // among them: only `response.code_details` tells it from the upstream's own.
     let mut l = lifecycle(r#"{"forward":"router"}"#);
     send(&mut l, 1, &post("k", "{}"), 0);
-    let answer = FakeHost {
-        response: headers(&[(":status", "201"), ("x-envoy-upstream-service-time", "3")]),
-        response_body: b"made".to_vec(),
-        code_details: None, // not read: it would say "not via the upstream"
+    let denied = FakeHost {
+        response: headers(&[(":status", "403"), ("x-envoy-upstream-service-time", "3")]),
+        response_body: b"denied".to_vec(),
+        code_details: Some("ext_authz_denied"),
         ..FakeHost::default()
     };
-    l.on_response_headers(&at(&answer, 1), 1, false);
-    l.on_response_body(&at(&answer, 2), 1, 4, true);
-    assert_eq!(count(&l.take_effects(), Counter::Completed), 1);
-    let (_, effects) = send(&mut l, 2, &post("k", "{}"), 3);
-    assert_eq!(body_of(&replies(&effects)[0].1), b"made");
+    l.on_response_headers(&at(&denied, 1), 1, false);
+    l.on_response_body(&at(&denied, 2), 1, 6, true);
+    let effects = l.take_effects();
+    assert_eq!((count(&effects, Counter::Completed), count(&effects, Counter::Released)), (0, 1));
+    let (flow, _) = send(&mut l, 2, &post("k", "{}"), 3);
+    assert_eq!(flow, Flow::Continue, "released: the retry does the work");
 }
 
 #[test]
