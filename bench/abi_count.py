@@ -382,11 +382,9 @@ def measure(wasm, config, path, n, etcd_port=None):
         key = {"first call": f"k-{i}".encode(), "replay": b"fixed", "conflict (409)": b"held"}.get(path, b"")
         statuses[host.request(stream + i, method, key)] += 1
         host.advance(1)
-    MEASURED_BY_CALLBACK[wasm, path] = {k: v / n for k, v in host.by_callback.items()}
-    return ({k: v / n for k, v in host.calls.items()}, {k: v / n for k, v in host.fuel.items()}, statuses)
-
-
-MEASURED_BY_CALLBACK = {}  # (wasm, path): {(callback, host call): calls per request}
+    def per_request(counts):
+        return {k: v / n for k, v in counts.items()}
+    return per_request(host.calls), per_request(host.fuel), statuses, per_request(host.by_callback)
 
 
 def main():
@@ -433,9 +431,9 @@ def report(args, config, etcd_port):
             print(f"| fuel in {k[len('proxy_'):]} | " + " | ".join(f"{r[1].get(k, 0):,.0f}" for r in rows) + " |")
         print("| **fuel (Wasm work)** | " + " | ".join(f"{sum(r[1].values()):,.0f}" for r in rows) + " |")
         if args.by_callback:
-            for w in args.wasm:
-                print(f"\n{w.rsplit('/', 1)[-1]}, host calls by callback:")
-                for (cb, call), v in sorted(MEASURED_BY_CALLBACK[w, path].items(), key=str):
+            for name, r in zip(names, rows):
+                print(f"\n{name}, host calls by callback:")
+                for (cb, call), v in sorted(r[3].items(), key=str):
                     print(f"  {cb[len('proxy_'):] if cb else '(outside)'}: {call[len('proxy_'):]} {v:.2f}")
 
 

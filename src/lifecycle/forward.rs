@@ -22,9 +22,6 @@ pub(super) struct Capture {
     head: usize,
 }
 
-/// The header Envoy's router adds to an upstream's own answer (SPEC §4).
-const UPSTREAM_SERVICE_TIME: &str = "x-envoy-upstream-service-time";
-
 /// How a detached call ended. Envoy's own answers carry no `x-envoy-upstream-service-time`
 /// and a telltale body (SPEC §4).
 enum Outcome {
@@ -62,7 +59,7 @@ fn classify(answer: CallAnswer) -> Outcome {
     if status == 0 {
         return Outcome::NoAnswer { status: 502, reason: "The upstream connection broke before a complete answer" };
     }
-    let from_upstream = headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME);
+    let from_upstream = headers.iter().any(|(n, _)| n == "x-envoy-upstream-service-time");
     if !from_upstream {
         if status == 503 && body.starts_with(b"upstream connect error or disconnect/reset before headers") {
             let says = |word: &[u8]| body.windows(word.len()).any(|w| w == word);
