@@ -69,6 +69,7 @@ import datetime
 import hashlib
 import http.client
 import json
+import math
 import os
 import platform
 import re
@@ -591,6 +592,31 @@ def median(xs):
     return statistics.median(xs) if xs else 0.0
 
 
+INTERVAL_COVERAGE = 0.90
+
+
+def median_interval(xs):
+    """A distribution-free confidence interval of the median: the k-th smallest and k-th
+    largest of the values, k as large as keeps the chance that the true median lies between
+    them at INTERVAL_COVERAGE or more (the count below the median is Binomial(n, 1/2)). With
+    8 rounds: the second smallest and second largest, 93 %. Returns (low, high, coverage)."""
+    xs = sorted(xs)
+    n = len(xs)
+    if not n:
+        return (float("nan"), float("nan"), 0.0)
+    k, coverage = 1, median_coverage(n, 1)
+    while k + 1 <= n // 2 and median_coverage(n, k + 1) >= INTERVAL_COVERAGE:
+        k += 1
+        coverage = median_coverage(n, k)
+    return (xs[k - 1], xs[n - k], coverage)
+
+
+def median_coverage(n, k):
+    """P(x_(k) <= median < x_(n+1-k)) for n independent values: 1 - 2 P(Binomial(n, 1/2) < k)."""
+    below = sum(math.comb(n, i) for i in range(k)) / 2 ** n
+    return 1 - 2 * below
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--duration", type=int, default=3, help="seconds per measured run")
@@ -818,6 +844,7 @@ def main():
     cpu_ratios = compute_ratios(runs, "envoy_cpu_us")
     floor, limit, vs_floor, vs_least = compute_floor(runs, "rps")
     cpu_floor, cpu_limit, cpu_vs_floor, cpu_vs_least = compute_floor(runs, "envoy_cpu_us")
+    _, limit_ci, vs_floor_ci, vs_least_ci = compute_floor(runs, "rps", median_interval)
     fleet = compute_fleet(summary, runs)
     results = {
         "machine": info,
@@ -842,6 +869,10 @@ def main():
         "vs_least": vs_least,
         "cpu_limit": cpu_limit,
         "cpu_vs_least": cpu_vs_least,
+        # Each ratio's confidence interval over the rounds: [low, high, coverage].
+        "limit_interval": limit_ci,
+        "vs_floor_interval": vs_floor_ci,
+        "vs_least_interval": vs_least_ci,
         "fleet": fleet,
         "memory": mem,
         "problems": problems,
@@ -857,6 +888,9 @@ def main():
     log("VS_FLOOR " + " ".join(f"{k}={v:.2f}" for k, v in vs_floor.items()))
     log("LIMIT " + " ".join(f"{k}={v:.2f}" for k, v in limit.items()))
     log("VS_LEAST " + " ".join(f"{k}={v:.2f}" for k, v in vs_least.items()))
+    log(f"INTERVALS of the medians ({interval_coverage(vs_floor_ci):.0%}):")
+    for name, cis in (("VS_FLOOR", vs_floor_ci), ("LIMIT", limit_ci), ("VS_LEAST", vs_least_ci)):
+        log(f"  {name} " + " ".join(f"{k}={lo:.2f}..{hi:.2f}" for k, (lo, hi, _) in cis.items()))
     log("RATIOS " + " ".join(f"{k}={v:.2f}" for k, v in ratios.items()))
     if fleet:
         log("FLEET " + " ".join(f"{k}={fleet[k]:.2f}" for k in ("first_call", "replay") if k in fleet))
@@ -944,15 +978,18 @@ def summarize(cases, runs):
     return out
 
 
-def paired(runs, field):
+def paired(runs, field, stat=median):
     """ratio(a, b): the median over rounds of a's `field` over b's in the same round (the two
-    ran seconds apart, see round_order), so that the machine's drift between rounds cancels."""
+    ran seconds apart, see round_order), so that the machine's drift between rounds cancels;
+    with stat=median_interval, that median's confidence interval."""
     by_round = {cid: {r["round"]: r[field] for r in rs} for cid, rs in runs.items()}
 
     def ratio(a, b):
         xs, ys = by_round.get(a, {}), by_round.get(b, {})
         per_round = [xs[k] / ys[k] for k in xs if k in ys and ys[k]]
-        return median(per_round) if per_round else float("nan")
+        if per_round:
+            return stat(per_round)
+        return float("nan") if stat is median else stat([])
     return ratio
 
 
@@ -961,6 +998,10 @@ def compute_ratios(runs, field="rps"):
     ratio = paired(runs, field)
     return {"passthrough": ratio("B1", "A_GET"), "first_call": ratio("B2_detached", "A"),
             "replay": ratio("B3", "C"), "conflict": ratio("B4", "C")}
+
+
+def interval_coverage(intervals):
+    return min((c for _, _, c in intervals.values()), default=0.0)
 
 
 def compute_fleet(summary, runs):
@@ -985,13 +1026,14 @@ def compute_fleet(summary, runs):
     return out
 
 
-def compute_floor(runs, field):
+def compute_floor(runs, field, stat=median):
     """The controls against Envoy alone (floor), the plugin against the controls (vs_floor),
     paired by round.
 
-    field "rps": ratios of req/s; "envoy_cpu_us": ratios of CPU per request (cost x).
+    field "rps": ratios of req/s; "envoy_cpu_us": ratios of CPU per request (cost x);
+    stat=median_interval: each ratio's confidence interval instead of its value.
     """
-    ratio = paired(runs, field)
+    ratio = paired(runs, field, stat)
     return ({"passthrough": ratio("W0", "A_GET"), "first_call": ratio("W3", "A"),
              "first_call_router": ratio("W1", "A"), "local_answer": ratio("W2", "C")},
             # What the least an idempotency filter does costs above each floor: how close to
@@ -1058,6 +1100,12 @@ def markdown(res):
     cpu_floor, cpu_vs_floor = res["cpu_floor"], res["cpu_vs_floor"]
     limit, vs_least = res["limit"], res["vs_least"]
     cpu_limit, cpu_vs_least = res["cpu_limit"], res["cpu_vs_least"]
+    intervals = {name: res.get(name + "_interval") or {} for name in ("vs_floor", "limit", "vs_least")}
+
+    def ci(name, k):
+        lo, hi, _ = intervals[name].get(k, (float("nan"), float("nan"), 0))
+        return f"{lo:.2f}–{hi:.2f}"
+    coverage = interval_coverage(intervals["vs_floor"])
     pin = meth["pinning"]
     lines = [
         "# Benchmark: the plugin against bare Envoy",
@@ -1103,21 +1151,21 @@ def markdown(res):
         f"| local_answer = W2/C | {floor['local_answer']:.2f} | "
         f"{cpu_floor['local_answer']:.2f} | a Wasm filter answering by itself |",
         "",
-        "| against the floor (req/s) | value | Envoy CPU per request (×) | meaning |",
-        "|---|---:|---:|---|",
-        f"| passthrough = B1/W0 | {vs_floor['passthrough']:.2f} | "
+        f"| against the floor (req/s) | value | {coverage:.0%} interval | Envoy CPU per request (×) | meaning |",
+        "|---|---:|---:|---:|---|",
+        f"| passthrough = B1/W0 | {vs_floor['passthrough']:.2f} | {ci('vs_floor', 'passthrough')} | "
         f"{cpu_vs_floor['passthrough']:.2f} | the plugin on a request it does not cover |",
-        f"| first_call = B2 detached/W3 | {vs_floor['first_call']:.2f} | "
+        f"| first_call = B2 detached/W3 | {vs_floor['first_call']:.2f} | {ci('vs_floor', 'first_call')} | "
         f"{cpu_vs_floor['first_call']:.2f} | claim and store, detached |",
-        f"| first_call_router = B2 router/W1 | {vs_floor['first_call_router']:.2f} | "
+        f"| first_call_router = B2 router/W1 | {vs_floor['first_call_router']:.2f} | {ci('vs_floor', 'first_call_router')} | "
         f"{cpu_vs_floor['first_call_router']:.2f} | claim and store, router |",
-        f"| replay = B3/W4 | {vs_floor['replay']:.2f} | {cpu_vs_floor['replay']:.2f} | "
+        f"| replay = B3/W4 | {vs_floor['replay']:.2f} | {ci('vs_floor', 'replay')} | {cpu_vs_floor['replay']:.2f} | "
         "the plugin's replay against a Wasm filter sending the same answer |",
-        f"| conflict = B4/W5 | {vs_floor['conflict']:.2f} | {cpu_vs_floor['conflict']:.2f} | "
+        f"| conflict = B4/W5 | {vs_floor['conflict']:.2f} | {ci('vs_floor', 'conflict')} | {cpu_vs_floor['conflict']:.2f} | "
         "the plugin's 409 against a Wasm filter sending the same 409 |",
-        f"| replay_w2 = B3/W2 | {vs_floor['replay_w2']:.2f} | {cpu_vs_floor['replay_w2']:.2f} | "
+        f"| replay_w2 = B3/W2 | {vs_floor['replay_w2']:.2f} | {ci('vs_floor', 'replay_w2')} | {cpu_vs_floor['replay_w2']:.2f} | "
         "the replay against a minimal local answer (one header) |",
-        f"| conflict_w2 = B4/W2 | {vs_floor['conflict_w2']:.2f} | {cpu_vs_floor['conflict_w2']:.2f} | "
+        f"| conflict_w2 = B4/W2 | {vs_floor['conflict_w2']:.2f} | {ci('vs_floor', 'conflict_w2')} | {cpu_vs_floor['conflict_w2']:.2f} | "
         "the 409 against a minimal local answer |",
         "",
         "The limit: what the least an idempotency filter keeping its table in shared data "
@@ -1131,27 +1179,32 @@ def markdown(res):
         "and the response's key, write both, the clock)). A VS_FLOOR goal above its LIMIT "
         "cannot be met by any filter of this design; VS_LEAST is the plugin's own share.",
         "",
-        "| limit (req/s) | value | Envoy CPU per request (×) | the least a filter does |",
-        "|---|---:|---:|---|",
-        f"| passthrough = W8/W0 (GET) | {limit['passthrough']:.2f} | "
+        f"Each interval is where the median of the per-round ratios lies with {coverage:.0%} "
+        "confidence (distribution-free: the k-th smallest and k-th largest of the rounds' "
+        "ratios, `median_interval` in bench/bench.py). A goal above a LIMIT's interval is out "
+        "of reach of this design; two intervals that overlap are not told apart by this run.",
+        "",
+        f"| limit (req/s) | value | {coverage:.0%} interval | Envoy CPU per request (×) | the least a filter does |",
+        "|---|---:|---:|---:|---|",
+        f"| passthrough = W8/W0 (GET) | {limit['passthrough']:.2f} | {ci('limit', 'passthrough')} | "
         f"{cpu_limit['passthrough']:.2f} | reads the method (one header lookup) |",
-        f"| first_call = W9/W3 | {limit['first_call']:.2f} | {cpu_limit['first_call']:.2f} | "
+        f"| first_call = W9/W3 | {limit['first_call']:.2f} | {ci('limit', 'first_call')} | {cpu_limit['first_call']:.2f} | "
         "digests, claim, completion |",
-        f"| first_call_router = W10/W1 | {limit['first_call_router']:.2f} | "
+        f"| first_call_router = W10/W1 | {limit['first_call_router']:.2f} | {ci('limit', 'first_call_router')} | "
         f"{cpu_limit['first_call_router']:.2f} | the same, and reads the router's answer |",
-        f"| replay = W6/W4 | {limit['replay']:.2f} | {cpu_limit['replay']:.2f} | "
+        f"| replay = W6/W4 | {limit['replay']:.2f} | {ci('limit', 'replay')} | {cpu_limit['replay']:.2f} | "
         "digests, the clock (a kept copy answers) |",
-        f"| conflict = W7/W5 | {limit['conflict']:.2f} | {cpu_limit['conflict']:.2f} | "
+        f"| conflict = W7/W5 | {limit['conflict']:.2f} | {ci('limit', 'conflict')} | {cpu_limit['conflict']:.2f} | "
         "digests, a bucket read, the clock |",
         "",
-        "| against the least (req/s) | value | Envoy CPU per request (×) |",
-        "|---|---:|---:|",
-        f"| passthrough = B1/W8 | {vs_least['passthrough']:.2f} | {cpu_vs_least['passthrough']:.2f} |",
-        f"| first_call = B2 detached/W9 | {vs_least['first_call']:.2f} | {cpu_vs_least['first_call']:.2f} |",
-        f"| first_call_router = B2 router/W10 | {vs_least['first_call_router']:.2f} | "
+        f"| against the least (req/s) | value | {coverage:.0%} interval | Envoy CPU per request (×) |",
+        "|---|---:|---:|---:|",
+        f"| passthrough = B1/W8 | {vs_least['passthrough']:.2f} | {ci('vs_least', 'passthrough')} | {cpu_vs_least['passthrough']:.2f} |",
+        f"| first_call = B2 detached/W9 | {vs_least['first_call']:.2f} | {ci('vs_least', 'first_call')} | {cpu_vs_least['first_call']:.2f} |",
+        f"| first_call_router = B2 router/W10 | {vs_least['first_call_router']:.2f} | {ci('vs_least', 'first_call_router')} | "
         f"{cpu_vs_least['first_call_router']:.2f} |",
-        f"| replay = B3/W6 | {vs_least['replay']:.2f} | {cpu_vs_least['replay']:.2f} |",
-        f"| conflict = B4/W7 | {vs_least['conflict']:.2f} | {cpu_vs_least['conflict']:.2f} |",
+        f"| replay = B3/W6 | {vs_least['replay']:.2f} | {ci('vs_least', 'replay')} | {cpu_vs_least['replay']:.2f} |",
+        f"| conflict = B4/W7 | {vs_least['conflict']:.2f} | {ci('vs_least', 'conflict')} | {cpu_vs_least['conflict']:.2f} |",
         "",
         *fleet_lines(res.get("fleet") or {}),
         "## Memory",
