@@ -56,7 +56,8 @@ with the same status, headers and body as the plugin's replay and 409, probed fr
 before the run: the fair floors), `LIMIT passthrough=<W8/W0> first_call=<W9/W3>
 first_call_router=<W10/W1> replay=<W6/W4> conflict=<W7/W5>` (the least an idempotency filter
 keeping its table in shared data must do, above each floor: bench/controls' "least-" modes;
-a VS_FLOOR goal above its LIMIT cannot be met), `VS_LEAST` (the plugin against those) and,
+a VS_FLOOR goal above its LIMIT cannot be met), `VS_LEAST` (the plugin against those), the
+`INTERVALS` of those three lines' medians (`low..high`, see median_interval) and
 `RATIOS passthrough=<B1/A GET> first_call=<B2 detached/A> replay=<B3/C> conflict=<B4/C>`;
 with etcd, after them, `FLEET first_call=<B2 etcd/B2 detached> replay=<B3 etcd/B3>` and
 `FLEET_COST` (etcd requests and etcd CPU µs per first call; `cpu_bound`: the FLEET first_call
