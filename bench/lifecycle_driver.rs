@@ -112,7 +112,8 @@ fn core(router: bool) -> Core {
     let table = Table::new(kv, Layout::new(&config.namespace, config.capacity, config.max_store_bytes));
     table.create().unwrap();
     let tick = Core::tick_ms_for(&config);
-    Lifecycle::new(config, SharedStore::new(table, tick, 0))
+    let kept = config.replay_cache_bytes;
+    Lifecycle::new(config, SharedStore::new(table, tick, 0).with_replay_cache(kept))
 }
 
 /// One request, to its end; the root's call (detached forwarding) answered at once, or the
