@@ -10,6 +10,8 @@ use std::rc::Rc;
 
 use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
 use crate::encoding::StoredResponse;
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
 use crate::table::{self, Begin, Change, Finish, ReplayCache, SharedKv, Table, Ticket};
 
 /// Buckets swept per second and VM: a 1,024-bucket table is swept every 2.5 s per worker.
@@ -22,11 +24,25 @@ enum Retry {
     Release { owner: Owner },
 }
 
+/// A claim this VM holds, as its last acknowledged write left it in the table.
+struct Held {
+    key: StoreKey,
+    fingerprint: Fingerprint,
+    /// The entry's deadline as this VM last wrote it: until then no other worker can take the
+    /// entry over (a takeover needs the deadline passed) and only this VM completes or
+    /// releases it, so the entry is in progress without reading its bucket.
+    live_until_ms: u64,
+}
+
 pub struct SharedStore<S> {
     table: Table<S>,
     /// This VM's replays, kept (`replay_cache_bytes`).
     replays: ReplayCache,
     tickets: IdMap<u64, Ticket>,
+    /// The claims this VM holds (by owner id), and the owner of each by the first 8 bytes of
+    /// its store key (a SHA-256's: no caller chooses them; two that meet only miss).
+    held: IdMap<u64, Held>,
+    held_by_key: IdMap<u64, u64>,
     next_owner: u64,
     retries: Vec<Retry>,
     answers: VecDeque<(For, Answer)>,
@@ -46,6 +62,8 @@ impl<S: SharedKv> SharedStore<S> {
             table,
             replays: ReplayCache::new(0),
             tickets: IdMap::default(),
+            held: IdMap::default(),
+            held_by_key: IdMap::default(),
             next_owner: 1,
             retries: Vec::new(),
             answers: VecDeque::new(),
@@ -65,6 +83,37 @@ impl<S: SharedKv> SharedStore<S> {
 
     pub fn table(&self) -> &Table<S> {
         &self.table
+    }
+
+    /// A retry of a claim this VM holds, same fingerprint, before the deadline it wrote: in
+    /// progress, and the bucket need not be read to know it (a different fingerprint, or a
+    /// deadline reached, reads the bucket as any other request).
+    fn holds_live(&self, claim: &Claim, now_ms: u64) -> bool {
+        let Some(id) = self.held_by_key.get(&key_prefix(&claim.key)) else { return false };
+        self.held
+            .get(id)
+            .is_some_and(|h| h.key == claim.key && h.fingerprint == claim.fingerprint && now_ms < h.live_until_ms)
+    }
+
+    fn hold(&mut self, id: u64, claim: &Claim, now_ms: u64) {
+        let live_until_ms = now_ms.saturating_add(claim.lease_ms);
+        self.held.insert(id, Held { key: claim.key, fingerprint: claim.fingerprint, live_until_ms });
+        self.held_by_key.insert(key_prefix(&claim.key), id);
+    }
+
+    /// The claim's ticket is done with (completed, released, lost or forgotten).
+    fn drop_ticket(&mut self, id: u64) {
+        self.tickets.remove(&id);
+        self.unhold(id);
+    }
+
+    fn unhold(&mut self, id: u64) {
+        if let Some(h) = self.held.remove(&id) {
+            let prefix = key_prefix(&h.key);
+            if self.held_by_key.get(&prefix) == Some(&id) {
+                self.held_by_key.remove(&prefix);
+            }
+        }
     }
 
     fn note(&mut self, change: &Change) {
@@ -87,7 +136,7 @@ impl<S: SharedKv> SharedStore<S> {
         let stamped = response.as_mut().map(Rc::make_mut);
         match self.table.complete_with(&ticket, stamped, now_ms, retention_ms, &mut self.replays) {
             Ok(done) => {
-                self.tickets.remove(&owner.id);
+                self.drop_ticket(owner.id);
                 let completed = match done {
                     table::Completed::Stored(change) => Completed::Stored { change, response },
                     table::Completed::WithoutBody(change) => Completed::WithoutBody { change, response },
@@ -112,7 +161,7 @@ impl<S: SharedKv> SharedStore<S> {
         };
         match self.table.release(&ticket) {
             Ok(finish) => {
-                self.tickets.remove(&owner.id);
+                self.drop_ticket(owner.id);
                 let done = finish == Finish::Done;
                 let change = if done { Change { in_progress: -1, ..Change::default() } } else { Change::default() };
                 Answer::Released { done, change }
@@ -158,6 +207,12 @@ impl<S: SharedKv> SharedStore<S> {
     }
 }
 
+fn key_prefix(key: &StoreKey) -> u64 {
+    let mut first = [0u8; 8];
+    first.copy_from_slice(key.0.get(..8).unwrap_or(&[0; 8]));
+    u64::from_le_bytes(first)
+}
+
 fn began(begin: Begin, owner: Option<Owner>, now_ms: u64) -> Began {
     match (begin, owner) {
         (Begin::Claimed { takeover, change, .. }, Some(owner)) => {
@@ -173,6 +228,9 @@ fn began(begin: Begin, owner: Option<Owner>, now_ms: u64) -> Began {
 
 impl<S: SharedKv> Store for SharedStore<S> {
     fn begin(&mut self, _who: For, claim: &Claim, now_ms: u64) -> Option<Answer> {
+        if self.holds_live(claim, now_ms) {
+            return Some(Answer::Began(Began::InProgress));
+        }
         let begin =
             match self.table.begin_with(&claim.key, &claim.fingerprint, now_ms, claim.lease_ms, &mut self.replays) {
                 Ok(begin) => begin,
@@ -185,6 +243,7 @@ impl<S: SharedKv> Store for SharedStore<S> {
                 let id = self.next_owner;
                 self.next_owner += 1;
                 self.tickets.insert(id, *ticket);
+                self.hold(id, claim, now_ms);
                 Some(Owner { id, fence: ticket.gen })
             }
             _ => None,
@@ -195,8 +254,16 @@ impl<S: SharedKv> Store for SharedStore<S> {
     fn renew(&mut self, owner: Owner, lease_ms: u64, now_ms: u64) -> Option<Answer> {
         let Some(ticket) = self.tickets.get(&owner.id) else { return Some(Answer::Renewed(false)) };
         Some(match self.table.renew(ticket, now_ms, lease_ms) {
-            Ok(Finish::Done) => Answer::Renewed(true),
-            Ok(Finish::Lost) => Answer::Renewed(false),
+            Ok(Finish::Done) => {
+                if let Some(h) = self.held.get_mut(&owner.id) {
+                    h.live_until_ms = h.live_until_ms.max(now_ms.saturating_add(lease_ms));
+                }
+                Answer::Renewed(true)
+            }
+            Ok(Finish::Lost) => {
+                self.unhold(owner.id);
+                Answer::Renewed(false)
+            }
             Err(e) => {
                 log::warn!("renewal failed: {e:?}");
                 Answer::Renewed(true) // tried again at the next renewal
@@ -219,7 +286,7 @@ impl<S: SharedKv> Store for SharedStore<S> {
     }
 
     fn forget(&mut self, owner: Owner) {
-        self.tickets.remove(&owner.id);
+        self.drop_ticket(owner.id);
     }
 
     fn tick(&mut self, now_ms: u64) -> TickReport {
@@ -269,5 +336,146 @@ impl<S: SharedKv> Store for SharedStore<S> {
 
     fn is_idle(&self) -> bool {
         self.retries.is_empty() && self.answers.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    use super::*;
+    use crate::table::memory::MemoryKv;
+    use crate::table::{KvError, Layout};
+
+    /// Shared data that counts its reads: a retry of this VM's claim must not need one.
+    #[derive(Default)]
+    struct CountingKv {
+        kv: MemoryKv,
+        reads: Cell<usize>,
+    }
+
+    impl SharedKv for CountingKv {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), KvError> {
+            self.reads.set(self.reads.get() + 1);
+            self.kv.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), KvError> {
+            self.kv.set(key, value, cas)
+        }
+    }
+
+    const LEASE_MS: u64 = 2_000;
+
+    fn kv() -> &'static CountingKv {
+        Box::leak(Box::new(CountingKv::default()))
+    }
+
+    fn store(kv: &'static CountingKv) -> SharedStore<&'static CountingKv> {
+        let table = Table::new(kv, Layout::new("t", 256, 1 << 20));
+        table.create().unwrap();
+        SharedStore::new(table, 50, 0)
+    }
+
+    fn claim(key: &str, fingerprint: u8) -> Claim {
+        let key = StoreKey::derive("t", b"api", &[Some(b"caller")], key.as_bytes());
+        Claim { key, fingerprint: Fingerprint([fingerprint; 16]), lease_ms: LEASE_MS }
+    }
+
+    fn begin(s: &mut SharedStore<&'static CountingKv>, c: &Claim, now: u64) -> Began {
+        match s.begin(For::Stream(1), c, now) {
+            Some(Answer::Began(b)) => b,
+            other => panic!("not an answer to a claim: {other:?}"),
+        }
+    }
+
+    fn owner(b: &Began) -> Owner {
+        match b {
+            Began::Claimed { owner, .. } => *owner,
+            other => panic!("not claimed: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_retry_of_this_vms_claim_is_in_progress_without_a_read() {
+        let kv = kv();
+        let mut s = store(kv);
+        let c = claim("k", 1);
+        owner(&begin(&mut s, &c, 1_000));
+        let reads = kv.reads.get();
+        for now in [1_000, 1_500, 2_999] {
+            assert!(matches!(begin(&mut s, &c, now), Began::InProgress));
+        }
+        assert_eq!(kv.reads.get(), reads, "answered from what this VM holds");
+    }
+
+    #[test]
+    fn another_fingerprint_or_another_vm_reads_the_bucket() {
+        let kv = kv();
+        let mut s = store(kv);
+        owner(&begin(&mut s, &claim("k", 1), 1_000));
+        let reads = kv.reads.get();
+        assert!(matches!(begin(&mut s, &claim("k", 2), 1_100), Began::Mismatch));
+        assert!(kv.reads.get() > reads);
+        // Another worker's VM holds nothing of it: its bucket says in progress.
+        let mut other = store(kv);
+        let reads = kv.reads.get();
+        assert!(matches!(begin(&mut other, &claim("k", 1), 1_200), Began::InProgress));
+        assert!(kv.reads.get() > reads);
+    }
+
+    #[test]
+    fn at_the_deadline_it_wrote_the_bucket_decides_and_a_renewal_moves_it() {
+        let kv = kv();
+        let mut s = store(kv);
+        let c = claim("k", 1);
+        let first = owner(&begin(&mut s, &c, 1_000));
+        // Renewed at 2,000: the entry lives until 4,000, and so does what this VM knows.
+        assert!(matches!(s.renew(first, LEASE_MS, 2_000), Some(Answer::Renewed(true))));
+        let reads = kv.reads.get();
+        assert!(matches!(begin(&mut s, &c, 3_999), Began::InProgress));
+        assert_eq!(kv.reads.get(), reads);
+        // At its deadline the mark has expired: the retry reads the bucket and takes it over.
+        match begin(&mut s, &c, 4_000) {
+            Began::Claimed { takeover, .. } => assert!(takeover),
+            other => panic!("expected a takeover, got {other:?}"),
+        }
+        assert!(kv.reads.get() > reads);
+        // The first owner's renewal finds its mark lost, and nothing of it answers a retry.
+        assert!(matches!(s.renew(first, LEASE_MS, 4_100), Some(Answer::Renewed(false))));
+        assert!(!s.held.contains_key(&first.id));
+    }
+
+    #[test]
+    fn completed_or_released_the_retry_reads_the_bucket_again() {
+        let kv = kv();
+        let mut s = store(kv);
+        let c = claim("done", 1);
+        let o = owner(&begin(&mut s, &c, 1_000));
+        let response =
+            Rc::new(StoredResponse::new(201, [("content-type", b"application/json".as_slice())], b"{}".to_vec()));
+        assert!(matches!(
+            s.complete(o, Some(response), 60_000, 1_100),
+            Some(Answer::Completed(Completed::Stored { .. }))
+        ));
+        assert!(matches!(begin(&mut s, &c, 1_200), Began::Replay(_)));
+        let c = claim("released", 1);
+        let o = owner(&begin(&mut s, &c, 1_000));
+        assert!(matches!(s.release(o, 1_100), Some(Answer::Released { done: true, .. })));
+        owner(&begin(&mut s, &c, 1_200));
+        assert!(s.held.len() == 1 && s.held_by_key.len() == 1, "one claim held: the last");
+    }
+
+    #[test]
+    fn a_forgotten_claim_is_no_longer_answered_for() {
+        let kv = kv();
+        let mut s = store(kv);
+        let c = claim("k", 1);
+        let o = owner(&begin(&mut s, &c, 1_000));
+        s.forget(o);
+        let reads = kv.reads.get();
+        assert!(matches!(begin(&mut s, &c, 1_100), Began::InProgress), "its mark stays until it expires");
+        assert!(kv.reads.get() > reads);
+        assert!(s.held.is_empty() && s.held_by_key.is_empty());
     }
 }
