@@ -43,6 +43,9 @@ pub struct SharedStore<S> {
     /// its store key (a SHA-256's: no caller chooses them; two that meet only miss).
     held: IdMap<u64, Held>,
     held_by_key: IdMap<u64, u64>,
+    /// The latest time this VM has read: a clock that steps back (wall time) could make a
+    /// passed deadline look ahead, so below it nothing is answered from `held`.
+    clock_high_ms: u64,
     next_owner: u64,
     retries: Vec<Retry>,
     answers: VecDeque<(For, Answer)>,
@@ -64,6 +67,7 @@ impl<S: SharedKv> SharedStore<S> {
             tickets: IdMap::default(),
             held: IdMap::default(),
             held_by_key: IdMap::default(),
+            clock_high_ms: 0,
             next_owner: 1,
             retries: Vec::new(),
             answers: VecDeque::new(),
@@ -89,6 +93,9 @@ impl<S: SharedKv> SharedStore<S> {
     /// progress, and the bucket need not be read to know it (a different fingerprint, or a
     /// deadline reached, reads the bucket as any other request).
     fn holds_live(&self, claim: &Claim, now_ms: u64) -> bool {
+        if now_ms < self.clock_high_ms {
+            return false;
+        }
         let Some(id) = self.held_by_key.get(&key_prefix(&claim.key)) else { return false };
         self.held
             .get(id)
@@ -129,6 +136,9 @@ impl<S: SharedKv> SharedStore<S> {
         retention_ms: u64,
         now_ms: u64,
     ) -> Answer {
+        // From here on the bucket says what became of the claim (a write refused by the host
+        // may still have landed in part).
+        self.unhold(owner.id);
         let Some(ticket) = self.tickets.get(&owner.id).copied() else {
             return Answer::Completed(Completed::Lost { response });
         };
@@ -156,6 +166,7 @@ impl<S: SharedKv> SharedStore<S> {
     }
 
     fn try_release(&mut self, owner: Owner) -> Answer {
+        self.unhold(owner.id);
         let Some(ticket) = self.tickets.get(&owner.id).copied() else {
             return Answer::Released { done: false, change: Change::default() };
         };
@@ -228,7 +239,9 @@ fn began(begin: Begin, owner: Option<Owner>, now_ms: u64) -> Began {
 
 impl<S: SharedKv> Store for SharedStore<S> {
     fn begin(&mut self, _who: For, claim: &Claim, now_ms: u64) -> Option<Answer> {
-        if self.holds_live(claim, now_ms) {
+        let held = self.holds_live(claim, now_ms);
+        self.clock_high_ms = self.clock_high_ms.max(now_ms);
+        if held {
             return Some(Answer::Began(Began::InProgress));
         }
         let begin =
@@ -290,6 +303,7 @@ impl<S: SharedKv> Store for SharedStore<S> {
     }
 
     fn tick(&mut self, now_ms: u64) -> TickReport {
+        self.clock_high_ms = self.clock_high_ms.max(now_ms);
         self.retry();
         let change = self.sweep(now_ms);
         let mut report = TickReport { change, effective_retention_ms: None };
@@ -353,6 +367,7 @@ mod tests {
     struct CountingKv {
         kv: MemoryKv,
         reads: Cell<usize>,
+        refuse_writes: Cell<bool>,
     }
 
     impl SharedKv for CountingKv {
@@ -361,6 +376,9 @@ mod tests {
             self.kv.get(key)
         }
         fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), KvError> {
+            if self.refuse_writes.get() {
+                return Err(KvError::Host(10));
+            }
             self.kv.set(key, value, cas)
         }
     }
@@ -477,5 +495,44 @@ mod tests {
         assert!(matches!(begin(&mut s, &c, 1_100), Began::InProgress), "its mark stays until it expires");
         assert!(kv.reads.get() > reads);
         assert!(s.held.is_empty() && s.held_by_key.is_empty());
+    }
+
+    #[test]
+    fn once_its_owner_completes_or_releases_the_bucket_answers_even_if_the_write_was_refused() {
+        let kv = kv();
+        let mut s = store(kv);
+        let c = claim("k", 1);
+        let o = owner(&begin(&mut s, &c, 1_000));
+        kv.refuse_writes.set(true);
+        let response =
+            Rc::new(StoredResponse::new(201, [("content-type", b"application/json".as_slice())], b"{}".to_vec()));
+        assert!(matches!(s.complete(o, Some(response), 60_000, 1_100), Some(Answer::Refused { .. })));
+        kv.refuse_writes.set(false);
+        let reads = kv.reads.get();
+        assert!(matches!(begin(&mut s, &c, 1_200), Began::InProgress), "the refused write left it in progress");
+        assert!(kv.reads.get() > reads, "read, not answered from what the owner held");
+        let c = claim("r", 1);
+        let o = owner(&begin(&mut s, &c, 1_300));
+        kv.refuse_writes.set(true);
+        assert!(matches!(s.release(o, 1_400), Some(Answer::Refused { .. })));
+        kv.refuse_writes.set(false);
+        let reads = kv.reads.get();
+        assert!(matches!(begin(&mut s, &c, 1_500), Began::InProgress));
+        assert!(kv.reads.get() > reads);
+    }
+
+    #[test]
+    fn a_clock_stepped_back_reads_the_bucket() {
+        let kv = kv();
+        let mut s = store(kv);
+        let c = claim("k", 1);
+        owner(&begin(&mut s, &c, 1_000));
+        s.tick(2_500);
+        let reads = kv.reads.get();
+        assert!(matches!(begin(&mut s, &c, 1_500), Began::InProgress));
+        assert!(kv.reads.get() > reads, "below the latest time seen, nothing is answered from memory");
+        let reads = kv.reads.get();
+        assert!(matches!(begin(&mut s, &c, 2_600), Began::InProgress));
+        assert_eq!(kv.reads.get(), reads);
     }
 }
