@@ -108,12 +108,6 @@ impl<S: SharedKv> SharedStore<S> {
         self.held_by_key.insert(key_prefix(&claim.key), id);
     }
 
-    /// The claim's ticket is done with (completed, released, lost or forgotten).
-    fn drop_ticket(&mut self, id: u64) {
-        self.tickets.remove(&id);
-        self.unhold(id);
-    }
-
     fn unhold(&mut self, id: u64) {
         if let Some(h) = self.held.remove(&id) {
             let prefix = key_prefix(&h.key);
@@ -146,7 +140,7 @@ impl<S: SharedKv> SharedStore<S> {
         let stamped = response.as_mut().map(Rc::make_mut);
         match self.table.complete_with(&ticket, stamped, now_ms, retention_ms, &mut self.replays) {
             Ok(done) => {
-                self.drop_ticket(owner.id);
+                self.tickets.remove(&owner.id);
                 let completed = match done {
                     table::Completed::Stored(change) => Completed::Stored { change, response },
                     table::Completed::WithoutBody(change) => Completed::WithoutBody { change, response },
@@ -172,7 +166,7 @@ impl<S: SharedKv> SharedStore<S> {
         };
         match self.table.release(&ticket) {
             Ok(finish) => {
-                self.drop_ticket(owner.id);
+                self.tickets.remove(&owner.id);
                 let done = finish == Finish::Done;
                 let change = if done { Change { in_progress: -1, ..Change::default() } } else { Change::default() };
                 Answer::Released { done, change }
@@ -299,7 +293,8 @@ impl<S: SharedKv> Store for SharedStore<S> {
     }
 
     fn forget(&mut self, owner: Owner) {
-        self.drop_ticket(owner.id);
+        self.tickets.remove(&owner.id);
+        self.unhold(owner.id);
     }
 
     fn tick(&mut self, now_ms: u64) -> TickReport {
