@@ -5,8 +5,9 @@ the 409 (W7, W5), the first call detached (W9, W3) or through the router (W10, W
 The builds run in the same process, one Envoy worker on one core and wrk on the other, in many
 short rounds whose order rotates; each figure is the median over the rounds of that round's
 ratio, with its confidence interval (bench.median_interval). floor/this of the least is the
-limit (bench.py's LIMIT, in CPU per request); floor/this of a build, its VS_FLOOR. On the 2-core CI machine two copies of one build came out 0.009 apart in one run, and one
-pair of builds moved by up to 0.10 between runs: run it several times (docs/performance.md).
+limit (bench.py's LIMIT, in CPU per request); floor/this of a build, its VS_FLOOR. On the
+2-core CI machine two copies of one build came out 0.009 apart in one run, and one pair of
+builds moved by up to 0.10 between runs: run it several times (docs/performance.md).
 Not a timed test: it prints ratios measured in one run.
 
     .venv/bin/python bench/ab.py replay 14 1 A.wasm B.wasm [...]   (mode, rounds, seconds)
@@ -85,7 +86,7 @@ def main():
             ratios = [o / this for o, this in zip(cpu_us[other], cpu_us[n])]
             lo, hi, _ = B.median_interval(ratios)
             return f"{statistics.median(ratios):.3f} ({lo:.3f}..{hi:.3f})"
-        coverage = B.median_interval(list(range(rounds)))[2]
+        coverage = B.interval_rank(rounds)[1]
         print(f"per request, median over {rounds} rounds (its {coverage:.0%} interval):")
         for i, n in enumerate(names):
             label = wasms[i] if n.startswith("build") else n

@@ -598,18 +598,29 @@ INTERVAL_COVERAGE = 0.90
 
 def median_interval(xs):
     """A distribution-free confidence interval of the median: the k-th smallest and k-th
-    largest of the values, k as large as keeps the chance that the true median lies between
-    them at INTERVAL_COVERAGE or more (the count below the median is Binomial(n, 1/2)). With
-    8 rounds: the second smallest and second largest, 93 %. Returns (low, high, coverage)."""
+    largest of the values (interval_rank). With 8 rounds: the second smallest and second
+    largest, 93 %. Returns (low, high, coverage)."""
     xs = sorted(xs)
     n = len(xs)
     if not n:
         return (float("nan"), float("nan"), 0.0)
-    k, coverage = 1, median_coverage(n, 1)
+    k, coverage = interval_rank(n)
+    return (xs[k - 1], xs[n - k], coverage)
+
+
+def interval_rank(n):
+    """(k, coverage) for n values: k as large as keeps the chance that the true median lies
+    between the k-th smallest and k-th largest at INTERVAL_COVERAGE or more (the count below
+    the median is Binomial(n, 1/2)); k is at least 1."""
+    k = 1
     while k + 1 <= n // 2 and median_coverage(n, k + 1) >= INTERVAL_COVERAGE:
         k += 1
-        coverage = median_coverage(n, k)
-    return (xs[k - 1], xs[n - k], coverage)
+    return k, median_coverage(n, k)
+
+
+def median_ratio(xs):
+    """The median of a run's per-round ratios; NaN when no round has the pair."""
+    return statistics.median(xs) if xs else float("nan")
 
 
 def median_coverage(n, k):
@@ -979,7 +990,7 @@ def summarize(cases, runs):
     return out
 
 
-def paired(runs, field, stat=median):
+def paired(runs, field, stat=median_ratio):
     """ratio(a, b): the median over rounds of a's `field` over b's in the same round (the two
     ran seconds apart, see round_order), so that the machine's drift between rounds cancels;
     with stat=median_interval, that median's confidence interval."""
@@ -987,10 +998,7 @@ def paired(runs, field, stat=median):
 
     def ratio(a, b):
         xs, ys = by_round.get(a, {}), by_round.get(b, {})
-        per_round = [xs[k] / ys[k] for k in xs if k in ys and ys[k]]
-        if per_round:
-            return stat(per_round)
-        return float("nan") if stat is median else stat([])
+        return stat([xs[k] / ys[k] for k in xs if k in ys and ys[k]])
     return ratio
 
 
@@ -1027,7 +1035,7 @@ def compute_fleet(summary, runs):
     return out
 
 
-def compute_floor(runs, field, stat=median):
+def compute_floor(runs, field, stat=median_ratio):
     """The controls against Envoy alone (floor), the plugin against the controls (vs_floor),
     paired by round.
 
