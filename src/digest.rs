@@ -70,7 +70,11 @@ impl DigestMemo {
         }
         let hash = cheap_hash(message);
         let window = self.window;
-        if let Some(k) = self.kept.iter_mut().find(|k| k.hash == hash && k.owner == *owner && k.message == message) {
+        if let Some(k) = self
+            .kept
+            .iter_mut()
+            .find(|k| k.hash == hash && k.owner == *owner && crate::bytes::equal(&k.message, message))
+        {
             k.used_in = window;
             return (k.digest, true);
         }

@@ -57,6 +57,12 @@ impl HeaderMap {
         self.iter().map(|(n, v)| Some((text(n)?, text(v)?))).collect()
     }
 
+    /// Whether every name and value is UTF-8, checked without building `as_text`'s list.
+    pub fn is_text(&self) -> bool {
+        let text = |bytes| std::str::from_utf8(bytes).is_ok();
+        self.iter().all(|(n, v)| text(n) && text(v))
+    }
+
     /// Every pair, in order, repeats kept.
     pub fn iter(&self) -> Pairs<'_> {
         let count = self.bytes.get(..4).map_or(0, read_u32);
@@ -74,7 +80,7 @@ impl HeaderMap {
 
     /// Every value of `name`, in request order.
     pub fn values<'a, 'n>(&'a self, name: &'n str) -> impl Iterator<Item = &'a [u8]> + use<'a, 'n> {
-        self.iter().filter(move |(n, _)| *n == name.as_bytes()).map(|(_, v)| v)
+        self.iter().filter(move |(n, _)| crate::bytes::equal(n, name.as_bytes())).map(|(_, v)| v)
     }
 
     fn well_formed(&self) -> bool {
@@ -143,6 +149,10 @@ mod tests {
         assert_eq!(map.get("bin"), Some(&b"\xff\x00z"[..]));
         assert_eq!(map.get("x-b"), None);
         assert_eq!(map.as_text(), None, "a value is not UTF-8");
+        assert!(!map.is_text());
+        let name = HeaderMap::from_pairs(&[(&b"x-\xff"[..], &b"v"[..])]);
+        assert!(!name.is_text() && name.as_text().is_none(), "a name is not UTF-8");
+        assert!(HeaderMap::from_pairs(&given[..3]).is_text());
     }
 
     #[test]

@@ -4,10 +4,11 @@
 //! request's life, events in, effects out) over `store` (shared data, etcd) and `host` (what it
 //! reads of Envoy, a request's headers as `header_map`); `table` (the table over shared data) and
 //! `encoding` (its values); `config`, `key`, `fingerprint`, `problem`, `grpc`, `metrics`,
-//! `budget`, `retention`. `plugin` is the thin proxy-wasm adapter, built for `wasm32-wasip1`
-//! only. See ARCHITECTURE.md.
+//! `budget`, `retention`, `bytes`. `plugin` is the thin proxy-wasm adapter, built for
+//! `wasm32-wasip1` only. See ARCHITECTURE.md.
 
 pub mod budget;
+pub mod bytes;
 pub mod config;
 pub mod digest;
 pub mod encoding;
