@@ -10,6 +10,10 @@ use crate::fingerprint::Fingerprint;
 /// key can only live in its own bucket, and room is made there (eviction, byte budget).
 pub const ENTRIES: usize = 64;
 const ENTRY_BYTES: usize = 1 + 8 + 16 + 16 + 8 + 8 + 4;
+/// Where an entry's key tag, deadline and age start (`entry_bytes` lays them out).
+const KEY_AT: usize = 1 + 8;
+const DEADLINE_AT: usize = KEY_AT + 16 + 16;
+const SINCE_AT: usize = DEADLINE_AT + 8;
 /// Format 2: entries carry their age and size, buckets the last token they handed out.
 const BUCKET_MAGIC: [u8; 2] = [b'B', 2];
 const BUCKET_HEAD: usize = BUCKET_MAGIC.len() + 8;
@@ -82,6 +86,22 @@ impl Entry {
     }
 }
 
+/// What a claim's scan of a bucket needs of an entry, read without decoding the rest: a new
+/// key's claim looks at all `ENTRIES` (decoding each was a sixth of a first call's Wasm work).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Glance {
+    pub state: State,
+    pub deadline_ms: u64,
+    pub since_ms: u64,
+}
+
+impl Glance {
+    /// As `Entry::is_live`.
+    pub fn is_live(&self, now_ms: u64) -> bool {
+        self.state != State::Free && now_ms < self.deadline_ms
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Corrupt(pub &'static str);
 
@@ -112,17 +132,34 @@ impl Bucket {
     }
 
     pub fn entry(&self, i: usize) -> Result<Entry, Corrupt> {
+        parse_entry(self.raw_entry(i)?)
+    }
+
+    /// Entry `i`'s state, deadline and age; an unknown state is corrupt, as in `entry`.
+    pub fn glance(&self, i: usize) -> Result<Glance, Corrupt> {
+        let raw = self.raw_entry(i)?;
+        let state = raw.first().copied().and_then(State::from_byte).ok_or(Corrupt("entry: unknown state"))?;
+        let u64_at =
+            |at: usize| raw.get(at..at + 8).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes);
+        Ok(Glance { state, deadline_ms: u64_at(DEADLINE_AT), since_ms: u64_at(SINCE_AT) })
+    }
+
+    /// Whether entry `i`'s key tag is `key` (`bytes::equal`: LLVM expands a 16-byte `==` into
+    /// byte-swapped loads, two dozen Wasm instructions a word, and `find_key` runs it 64 times).
+    pub fn key_is(&self, i: usize, key: &KeyTag) -> bool {
+        let at = BUCKET_HEAD + i * ENTRY_BYTES + KEY_AT;
+        self.bytes.get(at..at + key.len()).is_some_and(|tag| crate::bytes::equal(tag, key))
+    }
+
+    fn raw_entry(&self, i: usize) -> Result<&[u8], Corrupt> {
         let start = BUCKET_HEAD + i * ENTRY_BYTES;
-        parse_entry(self.bytes.get(start..start + ENTRY_BYTES).ok_or(Corrupt("bucket: entry out of range"))?)
+        self.bytes.get(start..start + ENTRY_BYTES).ok_or(Corrupt("bucket: entry out of range"))
     }
 
     /// The first entry whose key tag is `key`, whatever its state, found without decoding
     /// the others (a replay or a 409 in a full bucket would decode up to 64 entries).
     pub fn find_key(&self, key: &KeyTag) -> Option<usize> {
-        (0..ENTRIES).find(|i| {
-            let at = BUCKET_HEAD + i * ENTRY_BYTES + 1 + 8;
-            self.bytes.get(at..at + key.len()) == Some(&key[..])
-        })
+        (0..ENTRIES).find(|&i| self.key_is(i, key))
     }
 
     pub fn set_entry(&mut self, i: usize, entry: &Entry) {

@@ -168,6 +168,8 @@ pub fn outbound(host: &dyn Host, headers: Option<HeaderMap>, body: Vec<u8>) -> O
     if cluster.is_empty() {
         return None;
     }
-    headers.as_text()?;
+    if !headers.is_text() {
+        return None;
+    }
     Some(Outbound { cluster, headers, body })
 }

@@ -176,22 +176,22 @@ pub fn decide(bucket: &Bucket, key: &KeyTag, fingerprint: &Fingerprint, now_ms: 
     let mut expired = None;
     let mut oldest: Option<(usize, u64)> = None;
     for i in 0..ENTRIES {
-        let entry = bucket.entry(i)?;
+        let entry = bucket.glance(i)?;
         if entry.state == State::Free {
             free = free.or(Some(i));
             continue;
         }
         if !entry.is_live(now_ms) {
-            if entry.key == *key {
+            if bucket.key_is(i, key) {
                 // Reuse the key's own entry: a takeover when it was an in-progress mark.
                 expired_same_key = Some((i, entry.state == State::InProgress));
             }
             expired = expired.or(Some(i));
             continue;
         }
-        if entry.key == *key {
+        if bucket.key_is(i, key) {
             // A live entry for this key: at most one exists, because claims are decided here.
-            return Ok(judge_live(&entry, i, fingerprint));
+            return Ok(judge_live(&bucket.entry(i)?, i, fingerprint));
         }
         if entry.state.is_completed() && oldest.is_none_or(|(_, since)| entry.since_ms < since) {
             oldest = Some((i, entry.since_ms));

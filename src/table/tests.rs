@@ -566,3 +566,86 @@ fn a_kept_replay_is_dropped_by_this_vms_own_evictions_and_claims() {
     assert!(matches!(begin(1, 2, 23, &mut cache), Begin::Claimed { .. }), "key 1 was evicted");
     assert_eq!(begin(1, 1, 24, &mut cache), Begin::Mismatch);
 }
+
+/// `decide` as it was before the scan read only states, deadlines and ages: every entry
+/// decoded whole.
+fn decide_decoding_all(
+    bucket: &Bucket,
+    key: &KeyTag,
+    fingerprint: &Fingerprint,
+    now_ms: u64,
+) -> Result<Decision, Corrupt> {
+    if let Some(i) = bucket.find_key(key) {
+        let entry = bucket.entry(i)?;
+        if entry.is_live(now_ms) {
+            return Ok(judge_live(&entry, i, fingerprint));
+        }
+    }
+    let (mut expired_same_key, mut free, mut expired, mut oldest) = (None, None, None, None::<(usize, u64)>);
+    for i in 0..ENTRIES {
+        let entry = bucket.entry(i)?;
+        if entry.state == State::Free {
+            free = free.or(Some(i));
+        } else if !entry.is_live(now_ms) {
+            if entry.key == *key {
+                expired_same_key = Some((i, entry.state == State::InProgress));
+            }
+            expired = expired.or(Some(i));
+        } else if entry.key == *key {
+            return Ok(judge_live(&entry, i, fingerprint));
+        } else if entry.state.is_completed() && oldest.is_none_or(|(_, since)| entry.since_ms < since) {
+            oldest = Some((i, entry.since_ms));
+        }
+    }
+    let room = expired_same_key.or(free.map(|i| (i, false))).or(expired.map(|i| (i, false)));
+    Ok(match room.or(oldest.map(|(i, _)| (i, false))) {
+        Some((entry, takeover)) => Decision::Claim { entry, takeover },
+        None => Decision::Full,
+    })
+}
+
+#[test]
+fn the_claim_scan_decides_as_decoding_every_entry_would() {
+    // Random buckets over a few keys, fingerprints, states and deadlines around `now`, some
+    // full and some with a corrupt state byte: both scans give the same answer or error.
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let now = 1_000;
+    let states = [State::Free, State::InProgress, State::Completed, State::CompletedNoBody];
+    let mut decisions = std::collections::HashSet::new();
+    for round in 0..3_000 {
+        let mut bucket = Bucket::empty();
+        let filled = if round % 3 == 0 { ENTRIES } else { next(ENTRIES as u64 + 1) as usize };
+        for i in 0..filled {
+            // Some buckets only in-progress marks: all live, that is Full.
+            let state = if round % 42 == 0 { State::InProgress } else { states[next(4) as usize] };
+            let entry = Entry {
+                state: if round % 2 == 0 && state == State::Free { State::Completed } else { state },
+                gen: next(100),
+                key: [next(4) as u8; 16],
+                fingerprint: fp(next(2) as u8),
+                // Every sixth bucket all live (a full bucket decides Full or evicts).
+                deadline_ms: if round % 6 == 0 { now + 1 + next(3) } else { now - 2 + next(4) },
+                since_ms: next(50),
+                bytes: 0,
+            };
+            bucket.set_entry(i, &entry);
+        }
+        let mut bytes = bucket.as_bytes().to_vec();
+        if round % 50 == 7 {
+            let at = 10 + next(ENTRIES as u64) as usize * 61;
+            bytes[at] = 9; // an unknown state
+        }
+        let bucket = Bucket::decode(bytes).unwrap();
+        let (key, fingerprint) = ([next(5) as u8; 16], fp(next(2) as u8));
+        let fast = decide(&bucket, &key, &fingerprint, now);
+        assert_eq!(fast, decide_decoding_all(&bucket, &key, &fingerprint, now), "round {round}");
+        decisions.insert(format!("{:?}", fast.map(|d| std::mem::discriminant(&d))));
+    }
+    assert_eq!(decisions.len(), 6, "the rounds reach every kind of decision and an error: {decisions:?}");
+}
