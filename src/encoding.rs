@@ -87,7 +87,7 @@ impl Entry {
 }
 
 /// What a claim's scan of a bucket needs of an entry, read without decoding the rest: a new
-/// key's claim looks at all `ENTRIES` (decoding each was a sixth of a first call's Wasm work).
+/// key's claim looks at all `ENTRIES`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Glance {
     pub state: State,
@@ -537,6 +537,37 @@ mod tests {
         let bucket = Bucket::decode(bytes).unwrap();
         assert!(bucket.entry(0).is_err());
         assert!(bucket.entry(1).is_ok());
+        assert_eq!(bucket.glance(0), Err(Corrupt("entry: unknown state")), "as entry(0)");
+        assert!(bucket.glance(ENTRIES).is_err() && bucket.entry(ENTRIES).is_err());
+    }
+
+    #[test]
+    fn a_glance_reads_what_the_whole_entry_holds() {
+        let mut bucket = Bucket::empty();
+        let states = [State::Free, State::InProgress, State::Completed, State::CompletedNoBody];
+        for i in 0..ENTRIES {
+            let n = i as u64;
+            let entry = Entry {
+                state: states[i % 4],
+                gen: n * 7 + 1,
+                key: [i as u8; 16],
+                fingerprint: Fingerprint([!(i as u8); 16]),
+                deadline_ms: u64::MAX - n,
+                since_ms: n << 40 | 3,
+                bytes: u32::MAX - i as u32,
+            };
+            bucket.set_entry(i, &entry);
+        }
+        for i in 0..ENTRIES {
+            let (whole, glance) = (bucket.entry(i).unwrap(), bucket.glance(i).unwrap());
+            assert_eq!(
+                (glance.state, glance.deadline_ms, glance.since_ms),
+                (whole.state, whole.deadline_ms, whole.since_ms)
+            );
+            assert_eq!(glance.is_live(u64::MAX - 64), whole.is_live(u64::MAX - 64));
+            assert!(bucket.key_is(i, &whole.key) && !bucket.key_is(i, &[i as u8 ^ 1; 16]));
+            assert_eq!(bucket.find_key(&whole.key), Some(i));
+        }
     }
 
     fn sample() -> StoredResponse {
