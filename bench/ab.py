@@ -1,6 +1,8 @@
 """Plugin builds side by side in one Envoy: the Envoy CPU per request of each build on one path
 against the least control filter of that path and its floor (bench.py): the replay (W6, W4),
-the 409 (W7, W5), the first call detached (W9, W3) or through the router (W10, W1).
+the 409 (W7, W5), the first call detached (W9, W3) or through the router (W10, W1). With
+several builds it also prints the first build's CPU over each other's (above 1: that one costs
+less), paired by round.
 
 The builds run in the same process, one Envoy worker on one core and wrk on the other, in many
 short rounds whose order rotates; each figure is the median over the rounds of that round's
@@ -92,6 +94,9 @@ def main():
             label = wasms[i] if n.startswith("build") else n
             print(f"{label}: Envoy CPU {statistics.median(cpu_us[n]):.1f} us/req, "
                   f"least/this {against('least', n)}, floor/this {against('floor', n)}")
+        # Builds against the first, round by round: tighter than two ratios to the least.
+        for i in range(1, len(wasms)):
+            print(f"{wasms[0]}/{wasms[i]}: {against('build0', f'build{i}')}")
     finally:
         for s in socks:
             s.close()
