@@ -171,9 +171,7 @@ fn cheap_hash(bytes: &[u8]) -> u64 {
     let mut chunks = bytes.chunks_exact(8);
     let mut h = mix(0, bytes.len() as u64);
     for c in &mut chunks {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(c);
-        h = mix(h, u64::from_le_bytes(word));
+        h = mix(h, crate::bytes::u64_at(c, 0));
     }
     let mut tail = [0u8; 8];
     for (t, b) in tail.iter_mut().zip(chunks.remainder()) {

@@ -139,8 +139,7 @@ impl Bucket {
     pub fn glance(&self, i: usize) -> Result<Glance, Corrupt> {
         let raw = self.raw_entry(i)?;
         let state = raw.first().copied().and_then(State::from_byte).ok_or(Corrupt("entry: unknown state"))?;
-        let u64_at =
-            |at: usize| raw.get(at..at + 8).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes);
+        let u64_at = |at| crate::bytes::u64_at(raw, at);
         Ok(Glance { state, deadline_ms: u64_at(DEADLINE_AT), since_ms: u64_at(SINCE_AT) })
     }
 

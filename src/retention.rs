@@ -65,11 +65,7 @@ impl EvictionWindow {
         if bytes.len() != ENCODED_BYTES {
             return Err(Corrupt("evictions: wrong size"));
         }
-        let word = |i: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(bytes.get(i * 8..i * 8 + 8).unwrap_or(&[0; 8]));
-            u64::from_le_bytes(w)
-        };
+        let word = |i: usize| crate::bytes::u64_at(bytes, i * 8);
         let some = |n: u64| (n != NONE).then_some(n);
         Ok(EvictionWindow { start_ms: word(0), current: some(word(1)), previous: some(word(2)) })
     }

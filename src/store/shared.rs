@@ -213,9 +213,7 @@ impl<S: SharedKv> SharedStore<S> {
 }
 
 fn key_prefix(key: &StoreKey) -> u64 {
-    let mut first = [0u8; 8];
-    first.copy_from_slice(key.0.get(..8).unwrap_or(&[0; 8]));
-    u64::from_le_bytes(first)
+    crate::bytes::u64_at(&key.0, 0)
 }
 
 fn began(begin: Begin, owner: Option<Owner>, now_ms: u64) -> Began {
@@ -395,6 +393,10 @@ mod tests {
         Claim { key, fingerprint: Fingerprint([fingerprint; 16]), lease_ms: LEASE_MS }
     }
 
+    fn response() -> Rc<StoredResponse> {
+        Rc::new(StoredResponse::new(201, [("content-type", b"application/json".as_slice())], b"{}".to_vec()))
+    }
+
     fn begin(s: &mut SharedStore<&'static CountingKv>, c: &Claim, now: u64) -> Began {
         match s.begin(For::Stream(1), c, now) {
             Some(Answer::Began(b)) => b,
@@ -465,10 +467,8 @@ mod tests {
         let mut s = store(kv);
         let c = claim("done", 1);
         let o = owner(&begin(&mut s, &c, 1_000));
-        let response =
-            Rc::new(StoredResponse::new(201, [("content-type", b"application/json".as_slice())], b"{}".to_vec()));
         assert!(matches!(
-            s.complete(o, Some(response), 60_000, 1_100),
+            s.complete(o, Some(response()), 60_000, 1_100),
             Some(Answer::Completed(Completed::Stored { .. }))
         ));
         assert!(matches!(begin(&mut s, &c, 1_200), Began::Replay(_)));
@@ -499,9 +499,7 @@ mod tests {
         let c = claim("k", 1);
         let o = owner(&begin(&mut s, &c, 1_000));
         kv.refuse_writes.set(true);
-        let response =
-            Rc::new(StoredResponse::new(201, [("content-type", b"application/json".as_slice())], b"{}".to_vec()));
-        assert!(matches!(s.complete(o, Some(response), 60_000, 1_100), Some(Answer::Refused { .. })));
+        assert!(matches!(s.complete(o, Some(response()), 60_000, 1_100), Some(Answer::Refused { .. })));
         kv.refuse_writes.set(false);
         let reads = kv.reads.get();
         assert!(matches!(begin(&mut s, &c, 1_200), Began::InProgress), "the refused write left it in progress");

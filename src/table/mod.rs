@@ -290,12 +290,9 @@ impl Layout {
     }
 
     fn locate(&self, key: &StoreKey) -> (u32, KeyTag) {
-        let mut head = [0u8; 8];
         let mut tag = [0u8; 16];
-        let (h, rest) = key.0.split_at(8);
-        head.copy_from_slice(h);
-        tag.copy_from_slice(rest.get(..16).unwrap_or(&[0u8; 16]));
-        ((u64::from_le_bytes(head) % u64::from(self.buckets)) as u32, tag)
+        tag.copy_from_slice(key.0.get(8..24).unwrap_or(&[0u8; 16]));
+        ((crate::bytes::u64_at(&key.0, 0) % u64::from(self.buckets)) as u32, tag)
     }
 }
 

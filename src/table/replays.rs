@@ -133,9 +133,7 @@ impl ReplayCache {
 }
 
 fn short(key: &KeyTag) -> u64 {
-    let mut first = [0u8; 8];
-    first.copy_from_slice(key.get(..8).unwrap_or(&[0; 8]));
-    u64::from_le_bytes(first)
+    crate::bytes::u64_at(key, 0)
 }
 
 #[cfg(test)]

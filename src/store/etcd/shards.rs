@@ -36,9 +36,7 @@ pub fn seed_of(name: &str) -> u64 {
 
 /// The shard a key lives on: the cluster with the highest score for it.
 pub fn shard_of(seeds: impl Iterator<Item = u64>, key: &StoreKey) -> usize {
-    let mut word = [0u8; 8];
-    word.copy_from_slice(key.0.get(24..32).unwrap_or(&[0u8; 8]));
-    let k = u64::from_le_bytes(word);
+    let k = crate::bytes::u64_at(&key.0, 24);
     let mut best = (0, 0u64);
     for (i, seed) in seeds.enumerate() {
         let score = mix(k ^ seed);
