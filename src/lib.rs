@@ -8,6 +8,7 @@
 //! `wasm32-wasip1` only. See ARCHITECTURE.md.
 
 pub mod budget;
+pub mod build;
 pub mod bytes;
 pub mod config;
 pub mod digest;
@@ -25,6 +26,10 @@ pub mod problem;
 pub mod retention;
 pub mod store;
 pub mod table;
+
+#[cfg(test)]
+#[cfg(not(target_family = "wasm"))]
+mod sim;
 
 #[cfg(all(target_arch = "wasm32", not(test), feature = "plugin"))]
 mod plugin;

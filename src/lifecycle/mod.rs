@@ -18,6 +18,8 @@ mod fleet_tests;
 #[cfg(test)]
 mod grpc_tests;
 #[cfg(test)]
+pub mod inspect;
+#[cfg(test)]
 mod tests;
 
 pub use effect::{CallId, Effect, Reply};

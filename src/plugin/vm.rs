@@ -7,11 +7,11 @@ use std::cell::{Cell, RefCell};
 use std::time::Duration;
 
 use super::hostcalls;
-use crate::lifecycle::{is_hop_by_hop, CallId, Effect, Lifecycle, Reply};
+use crate::lifecycle::{is_hop_by_hop, CallId, Effect, Reply};
 use crate::metrics::{Counter, Gauge};
-use crate::store::{CallKind, CallRequest, Store};
+use crate::store::{CallKind, CallRequest};
 
-pub type AnyLifecycle = Lifecycle<Box<dyn Store>>;
+pub use crate::build::AnyLifecycle;
 
 pub struct Vm {
     lifecycle: RefCell<AnyLifecycle>,

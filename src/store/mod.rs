@@ -191,6 +191,11 @@ pub trait Store {
     fn write_wait_ms(&self) -> u64;
     /// Nothing in flight and nothing to retry: a root may end (a configuration update).
     fn is_idle(&self) -> bool;
+    /// What keeps it from being idle, by kind (tests: the simulator's report).
+    #[cfg(test)]
+    fn busy(&self) -> Vec<(&'static str, usize)> {
+        Vec::new()
+    }
 }
 
 /// A store chosen at configuration time (shared data or etcd) is a boxed one.
@@ -245,5 +250,9 @@ impl<T: Store + ?Sized> Store for Box<T> {
     }
     fn is_idle(&self) -> bool {
         (**self).is_idle()
+    }
+    #[cfg(test)]
+    fn busy(&self) -> Vec<(&'static str, usize)> {
+        (**self).busy()
     }
 }

@@ -29,3 +29,13 @@ impl<T: SharedKv + ?Sized> SharedKv for &T {
         (**self).set(key, value, cas)
     }
 }
+
+/// One map shared by owners of it (the simulator's Envoys hand theirs to every VM).
+impl<T: SharedKv + ?Sized> SharedKv for std::rc::Rc<T> {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), KvError> {
+        (**self).get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), KvError> {
+        (**self).set(key, value, cas)
+    }
+}

@@ -504,6 +504,19 @@ impl Store for EtcdStore {
         2 * self.link.timeout_ms
     }
 
+    #[cfg(test)]
+    fn busy(&self) -> Vec<(&'static str, usize)> {
+        let all = [
+            ("etcd_inflight", self.inflight.len()),
+            ("etcd_rounds", self.rounds.len()),
+            ("etcd_owners", self.owners.len()),
+            ("etcd_cleanups", self.cleanups.len()),
+            ("etcd_outbox", self.outbox.len()),
+            ("etcd_answers", self.answers.len()),
+        ];
+        all.into_iter().filter(|(_, n)| *n > 0).collect()
+    }
+
     fn is_idle(&self) -> bool {
         self.inflight.is_empty()
             && self.rounds.is_empty()

@@ -194,6 +194,11 @@ impl Store for Shards {
     fn is_idle(&self) -> bool {
         self.shards.iter().all(|(_, s)| s.is_idle())
     }
+
+    #[cfg(test)]
+    fn busy(&self) -> Vec<(&'static str, usize)> {
+        self.shards.iter().flat_map(|(_, s)| s.busy()).collect()
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,85 @@
+//! A VM's lifecycle and store, built from a parsed configuration over any shared-data map: the
+//! plugin builds it over Envoy's shared data (`plugin/configure.rs`), the simulator over its
+//! model of it, so both run the same stores.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use crate::config::{Config, StoreConfig};
+use crate::lifecycle::Lifecycle;
+use crate::store::etcd::replays::{LocalReplays, Replays};
+use crate::store::etcd::shards::Shards;
+use crate::store::etcd::{EtcdStore, Link};
+use crate::store::shared::SharedStore;
+use crate::store::Store;
+use crate::table::SharedKv;
+use crate::table::{Layout, Table};
+
+pub type AnyLifecycle = Lifecycle<Box<dyn Store>>;
+
+/// The lifecycle of one VM. `kv`: the shared data of its Envoy; `random`: a random number per
+/// call (the tables' sweep start, the etcd stores' seeds).
+pub fn lifecycle<K: SharedKv + Clone + 'static>(
+    config: Config,
+    kv: K,
+    random: &mut dyn FnMut() -> u64,
+) -> Result<AnyLifecycle, String> {
+    let tick_ms = Lifecycle::<Box<dyn Store>>::tick_ms_for(&config);
+    let store: Box<dyn Store> = match &config.store {
+        StoreConfig::SharedData => {
+            let layout = Layout::new(&config.namespace, config.capacity, config.max_store_bytes);
+            let table = Table::new(kv, layout);
+            // The base VM runs this first: it creates the table; workers find it.
+            if table.create().map_err(|e| format!("cannot create the table in shared data: {e:?}"))? {
+                log::info!(
+                    "idempotency: created a table of {} entries ({} buckets) in namespace {:?}",
+                    table.layout().entries(),
+                    table.layout().buckets(),
+                    config.namespace
+                );
+            }
+            let from = (random() % u64::from(table.layout().buckets())) as u32;
+            Box::new(SharedStore::new(table, tick_ms, from).with_replay_cache(config.replay_cache_bytes))
+        }
+        StoreConfig::Etcd(cfg) => {
+            let max_lease = config.policies().map(|p| p.lease_ms).max().unwrap_or(10_000);
+            let retentions: Vec<u64> = config.policies().map(|p| p.retention_s).collect();
+            let link = |cluster: &String| Link {
+                cluster: cluster.clone(),
+                authority: cfg.authority.clone().unwrap_or_else(|| cluster.clone()),
+                api: cfg.api,
+                timeout_ms: cfg.timeout_ms,
+            };
+            let replays = match cfg.local_replays {
+                true => Some(local_replays(&config, kv, random)?),
+                false => None,
+            };
+            let mut store = |cluster: &String| {
+                let store = EtcdStore::new(link(cluster), &config.namespace, max_lease, retentions.clone(), random());
+                match &replays {
+                    Some(r) => store.with_replays(r.clone()),
+                    None => store,
+                }
+            };
+            match cfg.clusters.as_slice() {
+                [one] => Box::new(store(one)),
+                many => Box::new(Shards::new(many.iter().map(|c| (c.clone(), store(c))).collect())),
+            }
+        }
+    };
+    Ok(Lifecycle::new(config, store))
+}
+
+/// This Envoy's copies of the fleet's completed entries: a table of their own in shared data
+/// (`<namespace>.replays`), bounded by `capacity` and `max_store_bytes`.
+fn local_replays<K: SharedKv + 'static>(
+    config: &Config,
+    kv: K,
+    random: &mut dyn FnMut() -> u64,
+) -> Result<Rc<RefCell<dyn Replays>>, String> {
+    let layout = Layout::new(&format!("{}.replays", config.namespace), config.capacity, config.max_store_bytes);
+    let table = Table::new(kv, layout);
+    table.create().map_err(|e| format!("cannot create the local replay table in shared data: {e:?}"))?;
+    let from = (random() % u64::from(table.layout().buckets())) as u32;
+    Ok(Rc::new(RefCell::new(LocalReplays::new(table, from, config.replay_cache_bytes))))
+}

@@ -1,0 +1,54 @@
+//! The invariants the simulator checks, by name (SPEC §3.8 and the rest of §3). Each check
+//! lives where its facts are known (`world.rs`); this file names them and keeps what failed.
+
+use std::fmt;
+
+/// Every invariant, with what it asserts.
+pub const INVARIANTS: [(&str, &str); 18] = [
+    ("duplicate_effect", "a key's work reaches the upstream again while a claimed call of it may run or after it completed, with no release, no expiry of its owner's lease, no unknown outcome to explain it"),
+    ("held_duplicate_forwarded", "a request held as a duplicate is sent upstream without a claim while the first call runs"),
+    ("replay_differs", "a replay is not the stored answer of a completed call of the same key and caller (status, body, gRPC status)"),
+    ("cross_scope", "a replay carries another caller's answer"),
+    ("answer_crossed", "a request gets the upstream answer of another request"),
+    ("unanswered", "a client that stayed got no answer by the end of the run"),
+    ("answered_late", "a client that stayed got its answer later than the bound"),
+    ("locked_without_owner", "a 409 in progress while nothing runs, claims or completes for the key, and no fault explains it"),
+    ("completed_without_completion", "a 409 completed-without-response (or a not-replayable gRPC result) for a key no call completed"),
+    ("not_back_to_baseline", "a VM holds streams, calls, owners, waiters or buffered bytes after traffic stopped"),
+    ("effect_on_closed_stream", "the lifecycle answers, resumes or edits a stream that has ended"),
+    ("resume_not_paused", "a request or response is resumed that is not paused (Envoy would continue it twice)"),
+    ("own_reply_watched", "the plugin's own local reply is taken for the upstream's answer"),
+    ("fence_missing", "with fencing on, a claimed request reaches the upstream without its token"),
+    ("fence_reused", "two claims of one key carry the same fencing token"),
+    ("forged_fence_passed", "the client's own fencing header reaches the upstream"),
+    ("livelock", "events keep coming at one instant: the run cannot advance"),
+    ("store_hammered", "a failing etcd receives more calls than the backoff allows"),
+];
+
+#[derive(Debug, Clone)]
+pub struct Violation {
+    pub invariant: &'static str,
+    pub at_ms: u64,
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} at {} ms: {}", self.invariant, self.at_ms, self.detail)
+    }
+}
+
+/// The violations of one run, the first of each invariant only.
+#[derive(Default)]
+pub struct Checker {
+    pub violations: Vec<Violation>,
+}
+
+impl Checker {
+    pub fn fail(&mut self, invariant: &'static str, at_ms: u64, detail: String) {
+        debug_assert!(INVARIANTS.iter().any(|(name, _)| *name == invariant), "unknown invariant {invariant}");
+        if !self.violations.iter().any(|v| v.invariant == invariant) {
+            self.violations.push(Violation { invariant, at_ms, detail });
+        }
+    }
+}
