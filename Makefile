@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: grpc fleet build run test tools unit e2e lint setup clean fuzz image chaos bench bench-hostcalls
+.PHONY: grpc fleet build run test tools unit e2e lint setup clean fuzz image chaos bench bench-hostcalls sim sim-long
 
 build: $(WASM)
 
@@ -67,9 +67,25 @@ fleet: build setup
 # usize, as in the plugin).
 unit: setup tools
 	cargo test --lib --test corpus_replay
+	cargo test --release --lib sim::
 	cargo test --release --test model_check
 	cargo test --target $(TARGET) --lib
 	cargo test --target $(TARGET) --no-default-features --test corpus_replay
+
+# The simulator (src/sim/): one seed of one combination with its trace of events and effects
+# (`make sim SEED=7 COMBO=etcd1/router/wait/grpc/reject503/nofence`; every combination when
+# COMBO is empty; TRACE=0 prints only the summary and any violation's trace).
+SEED ?= 0
+COMBO ?=
+TRACE ?= 1
+sim:
+	SIM_SEED=$(SEED) SIM_COMBO=$(COMBO) SIM_TRACE=$(TRACE) cargo test --release --lib sim::tests::one_seed -- --ignored --nocapture
+
+# Seeds of every combination for SIM_SECONDS (default an hour); prints the requests simulated
+# and the violations by invariant with the first seed of each.
+SIM_SECONDS ?= 3600
+sim-long:
+	SIM_SECONDS=$(SIM_SECONDS) cargo test --release --lib sim::tests::long -- --ignored --nocapture
 
 # Runs each fuzz target for FUZZ_SECONDS (needs nightly and cargo-fuzz); new inputs land in
 # fuzz/corpus/<target>/ and are replayed by `make unit`.

@@ -87,18 +87,32 @@ impl<S: Store> Lifecycle<S> {
         }
     }
 
-    /// A claim's answer that came later (etcd), in the root's event.
+    /// A claim's answer that came later (etcd), in the root's event. Its stream may have
+    /// ended meanwhile: a held request's poll still answers the others that wait for it, and
+    /// a claim nobody takes is given back at once (nothing went upstream), never left to
+    /// lock the key until its mark expires.
     pub(super) fn on_claim_answer(&mut self, id: u32, began: Began, now: u64) {
-        let Some(stream) = self.streams.get_mut(&id) else { return };
-        let held = match std::mem::replace(&mut stream.phase, Phase::Pass) {
-            Phase::Claiming(held) => held,
-            Phase::Waiting(held) => {
-                stream.phase = Phase::Waiting(held);
-                return self.on_poll_answer(id, began, now);
+        let asked = self.asking.remove(&id);
+        let phase = self.streams.get_mut(&id).map(|s| std::mem::replace(&mut s.phase, Phase::Pass));
+        let held = match phase {
+            Some(Phase::Claiming(held)) => held,
+            Some(Phase::Waiting(held)) => {
+                let request = (held.key, held.fingerprint);
+                self.set_phase_quietly(id, Phase::Waiting(held));
+                return self.on_poll_answer(request, Some(id), began, now);
             }
             other => {
-                stream.phase = other;
-                return;
+                if let Some(phase) = other {
+                    self.set_phase_quietly(id, phase);
+                }
+                return match (asked, began) {
+                    (Some(request), began) => self.on_poll_answer(request, None, began, now),
+                    (None, Began::Claimed { owner, .. }) => {
+                        log::debug!("a claim was answered after its client left; released");
+                        self.release(owner, now)
+                    }
+                    (None, _) => {}
+                };
             }
         };
         log::debug!("key {} -> {}", held.key.short(), describe(&began));

@@ -20,6 +20,11 @@ pub(super) struct Capture {
     kept: Option<(Vec<u8>, Reservation)>,
     /// The stored head's bytes, so a buffered body's size is the reservation's rest.
     head: usize,
+    /// A store that answers later has Envoy buffer the body: its size so far, read at the
+    /// answer's end (the body's last callback, or the trailers).
+    buffered: usize,
+    /// A gRPC answer's status was in its headers (trailers-only).
+    grpc_status: bool,
 }
 
 /// How a detached call ended. Envoy's own answers carry no `x-envoy-upstream-service-time`
@@ -277,6 +282,7 @@ impl<S: Store> Lifecycle<S> {
     }
 
     pub fn on_response_trailers(&mut self, host: &dyn Host, id: u32) -> Flow {
+        self.take_buffered(host, id);
         let flow = match self.streams.get(&id) {
             Some(s) if s.grpc => self.grpc_trailers(host, id),
             Some(_) => self.finish_capture(id, host.now_ms()),
@@ -337,11 +343,10 @@ impl<S: Store> Lifecycle<S> {
         let via_upstream = host.property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");
         let p = self.config.clone();
         let p = p.policy(policy);
-        // A gRPC answer without messages (trailers-only) has its status in the headers.
-        let grpc_failed = grpc_call
-            && end_of_stream
-            && grpc::status_of(headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())))
-                .is_some_and(|code| p.releases_grpc(code));
+        // A gRPC answer without messages (trailers-only) has its status in the headers; one
+        // that ends without any status is broken, as the detached path also judges it.
+        let grpc_status = grpc::status_of(headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())));
+        let grpc_failed = grpc_call && end_of_stream && grpc_status.is_none_or(|code| p.releases_grpc(code));
         if !via_upstream || p.release_statuses.contains(status) || grpc_failed {
             if !via_upstream {
                 self.count(Counter::UpstreamFailed);
@@ -354,7 +359,8 @@ impl<S: Store> Lifecycle<S> {
         let head = STORED_OVERHEAD + headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum::<usize>();
         let kept =
             (head <= p.max_response_bytes).then(|| self.buffered.reserve(head)).flatten().map(|r| (Vec::new(), r));
-        self.set_phase(id, Phase::Owner { owner: Some(owner), capture: Some(Capture { status, headers, kept, head }) });
+        let capture = Capture { status, headers, kept, head, buffered: 0, grpc_status: grpc_status.is_some() };
+        self.set_phase(id, Phase::Owner { owner: Some(owner), capture: Some(capture) });
         if end_of_stream {
             return self.finish_capture(id, host.now_ms());
         }
@@ -384,8 +390,10 @@ impl<S: Store> Lifecycle<S> {
                 let more = size.saturating_sub(reservation.bytes().saturating_sub(c.head));
                 if c.head + size <= max && reservation.grow(more) {
                     flow = Flow::Pause;
+                    c.buffered = size;
                     if end_of_stream {
                         body.extend_from_slice(&host.response_body(size));
+                        c.buffered = 0;
                     }
                 } else {
                     c.kept = None;
@@ -399,9 +407,36 @@ impl<S: Store> Lifecycle<S> {
             }
         }
         if end_of_stream {
+            // A gRPC answer that ends without trailers has no status: broken, released.
+            let broken = stream.grpc && !c.grpc_status;
+            if broken {
+                return self.release_broken(id, host.now_ms());
+            }
             return self.finish_capture(id, host.now_ms());
         }
         flow
+    }
+
+    /// A router owner's answer ended without what says how the call went: released.
+    fn release_broken(&mut self, id: u32, now: u64) -> Flow {
+        let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
+        let Phase::Owner { owner: Some(owner), .. } = std::mem::replace(&mut stream.phase, Phase::Pass) else {
+            return Flow::Continue;
+        };
+        log::debug!("a gRPC answer ended without its status: released");
+        self.count(Counter::UpstreamFailed);
+        self.release(owner, now);
+        Flow::Continue
+    }
+
+    /// The trailers end the answer: a body Envoy buffered for us is read now, whole.
+    fn take_buffered(&mut self, host: &dyn Host, id: u32) {
+        let Some(stream) = self.streams.get_mut(&id) else { return };
+        let Phase::Owner { capture: Some(c), .. } = &mut stream.phase else { return };
+        if let (Some((body, _)), true) = (&mut c.kept, c.buffered > 0) {
+            *body = host.response_body(c.buffered);
+            c.buffered = 0;
+        }
     }
 
     /// The answer is all there: complete the key; with a store that answers later, hold the

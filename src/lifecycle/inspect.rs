@@ -64,6 +64,7 @@ impl<S: Store> Lifecycle<S> {
             ("holdings", self.holdings.len()),
             ("ends", self.ends.len()),
             ("waiting", self.waiting),
+            ("asking", self.asking.len()),
             ("buffered_bytes", self.buffered.used()),
         ];
         let mut residue: Vec<_> = all.into_iter().filter(|(_, n)| *n > 0).collect();

@@ -44,6 +44,23 @@ use request::{Covered, Pending};
 
 /// One VM's requests and their store. The adapter feeds it events and carries out what
 /// [`Lifecycle::take_effects`] returns.
+///
+/// Call order (what the adapter and the simulator, `src/sim/`, both keep):
+/// - a stream: [`on_request_headers`](Self::on_request_headers), then
+///   [`on_request_body`](Self::on_request_body) until its end (or
+///   [`on_request_trailers`](Self::on_request_trailers)); for a request that went on through
+///   the router and [`watches_response`](Self::watches_response),
+///   [`on_response_headers`](Self::on_response_headers), `on_response_body`,
+///   `on_response_trailers`; finally [`on_stream_done`](Self::on_stream_done), once, whenever
+///   the stream ends (answered, reset, client gone), after which no effect names it;
+/// - the root: [`on_tick`](Self::on_tick) every [`tick_ms`](Self::tick_ms),
+///   [`on_wake`](Self::on_wake) after a `WakeRoot` effect, and for every `Dispatch` exactly
+///   one of [`on_call_answer`](Self::on_call_answer) /
+///   [`on_grpc_call_answer`](Self::on_grpc_call_answer) (a timeout is an answer) or
+///   [`on_call_failed`](Self::on_call_failed);
+/// - after each of these, [`take_effects`](Self::take_effects), carried out in order. A
+///   `Reply` or `Resume` names only a stream that is still open; `Resume` only a request the
+///   stream's callback paused, `ResumeResponse` only a response it paused.
 pub struct Lifecycle<S> {
     config: Rc<Config>,
     store: S,
@@ -71,6 +88,9 @@ pub struct Lifecycle<S> {
     wake_sent: bool,
     /// Streams held in wait mode (`max_waiters`).
     waiting: usize,
+    /// Held requests' polls on their way (etcd), by the stream that asked: its answer is for
+    /// every waiter of that request, should the asker leave first.
+    asking: IdMap<u32, (StoreKey, Fingerprint)>,
     tick_ms: u64,
 }
 
@@ -179,6 +199,7 @@ impl<S: Store> Lifecycle<S> {
             body_seen: false,
             wake_sent: false,
             waiting: 0,
+            asking: IdMap::default(),
             tick_ms,
         }
     }
@@ -227,6 +248,7 @@ impl<S: Store> Lifecycle<S> {
             && self.outbox.is_empty()
             && self.store_calls.is_empty()
             && self.ends.is_empty()
+            && self.asking.is_empty()
             && self.store.is_idle()
     }
 
@@ -399,6 +421,13 @@ impl<S: Store> Lifecycle<S> {
         self.set_phase(id, Phase::GrpcReplay { response, replayed });
         if resume {
             self.effects.push(Effect::Resume { stream: id });
+        }
+    }
+
+    /// Puts back a phase taken out to be looked at (the count of held requests unchanged).
+    fn set_phase_quietly(&mut self, id: u32, phase: Phase) {
+        if let Some(stream) = self.streams.get_mut(&id) {
+            stream.phase = phase;
         }
     }
 

@@ -31,20 +31,32 @@ impl<S: Store> Lifecycle<S> {
             }
         }
         for (id, claim) in due {
+            let asked = (claim.key, claim.fingerprint);
             match self.store.begin(For::Stream(id), &claim, now) {
-                Some(Answer::Began(began)) => self.on_poll_answer(id, began, now),
+                Some(Answer::Began(began)) => self.on_poll_answer(asked, Some(id), began, now),
                 Some(other) => log::warn!("unexpected store answer to a held request: {other:?}"),
-                None => {} // comes later, as a claim answer for this stream
+                // Comes later, as a claim answer for this stream: should its client leave
+                // first, the answer still goes to the others that wait for it.
+                None => {
+                    self.asking.insert(id, asked);
+                }
             }
         }
     }
 
-    /// The store's answer for the held request of `asker`: to every waiter of that request
-    /// that was asking.
-    pub(super) fn on_poll_answer(&mut self, asker: u32, began: Began, now: u64) {
-        let Some((key, fingerprint)) = self.held_request(asker) else { return };
+    /// The store's answer for a held request, asked by `asker` (gone, if `None`): to every
+    /// waiter of that request that was asking. A claim goes to the asker, else to the oldest
+    /// waiter, else back to the store.
+    pub(super) fn on_poll_answer(
+        &mut self,
+        asked: (StoreKey, Fingerprint),
+        asker: Option<u32>,
+        began: Began,
+        now: u64,
+    ) {
+        let (key, fingerprint) = asked;
         if !matches!(began, Began::InProgress) {
-            log::debug!("waiter {asker} key {} -> {}", key.short(), super::answer::describe(&began));
+            log::debug!("waiters of key {} -> {}", key.short(), super::answer::describe(&began));
         }
         let mut group: Vec<u32> = self
             .streams
@@ -53,26 +65,29 @@ impl<S: Store> Lifecycle<S> {
             .map(|(id, _)| *id)
             .collect();
         group.sort_unstable(); // the oldest stream first
-        if let Began::Claimed { .. } = began {
-            // The first waiter becomes the first call; the others wait for it.
-            group.retain(|id| *id != asker);
-            self.decide_waiter(asker, began, now);
-            return self.still_in_progress(&group, now);
-        }
-        if let Began::InProgress = began {
-            return self.still_in_progress(&group, now);
-        }
-        // Completed, mismatched, failed, unavailable: every waiter gets the same answer (a
-        // replay is shared, not copied per waiter).
-        for id in group {
-            self.decide_waiter(id, began.clone(), now);
-        }
-    }
-
-    fn held_request(&self, id: u32) -> Option<(StoreKey, Fingerprint)> {
-        match &self.streams.get(&id)?.phase {
-            Phase::Waiting(h) => Some((h.key, h.fingerprint)),
-            _ => None,
+        match began {
+            Began::Claimed { owner, .. } => {
+                // One waiter becomes the first call; the others wait for it.
+                let first = asker.filter(|id| group.contains(id)).or_else(|| group.first().copied());
+                let Some(first) = first else {
+                    log::debug!("key {}: claimed for waiters that all left; released", key.short());
+                    return self.release(owner, now);
+                };
+                group.retain(|id| *id != first);
+                self.decide_waiter(first, began, now);
+                self.still_in_progress(&group, now)
+            }
+            // The first call was in progress when last seen: a held duplicate never goes
+            // upstream on a store that fails or does not answer (SPEC §3.8); it asks again
+            // until `wait_max_ms`, then gets the 409.
+            Began::InProgress | Began::Unavailable | Began::Failed(_) => self.still_in_progress(&group, now),
+            // Completed, mismatched, full: every waiter gets the same answer (a replay is
+            // shared, not copied per waiter).
+            _ => {
+                for id in group {
+                    self.decide_waiter(id, began.clone(), now);
+                }
+            }
         }
     }
 

@@ -4,7 +4,7 @@
 use super::*;
 
 /// Seeds per combination in `cargo test` (`SIM_SEEDS` overrides).
-const SEEDS: u64 = 6;
+const SEEDS: u64 = 20;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok()?.parse().ok()

@@ -159,6 +159,18 @@ pub struct TickReport {
 /// The store's side of the request lifecycle. Every operation answers at once (`Some`) or
 /// later, through [`Store::poll_answer`]; calls the store needs sent (etcd) come out of
 /// [`Store::poll_call`] and their answers go back in through [`Store::on_call_answer`].
+///
+/// Call order (the lifecycle's):
+/// - `begin` once per claim or wait-mode poll, `For::Stream(id)`; its answer (now or later)
+///   is a `Began`. A `Claimed` answer makes the caller the owner, whether or not its stream
+///   is still there: the owner then ends it with `complete` or `release`, or gives it up with
+///   `forget` (outcome unknown: the mark expires). A claim whose stream has gone is released.
+/// - `renew` while the owner's call lives; its later answer is `Renewed`, or, when the mark
+///   was taken over while an ending waited behind the renewal, that ending's own answer.
+/// - `complete` / `release` once per owner; answered `Completed` / `Released`, or `Refused`
+///   first (the store retries; the final answer follows).
+/// - `tick` on the root's timer; `poll_call`, `poll_answer`, `poll_count` drained after every
+///   operation and every `on_call_answer` / `on_call_failed` (one per call sent).
 pub trait Store {
     fn begin(&mut self, who: For, claim: &Claim, now_ms: u64) -> Option<Answer>;
     fn renew(&mut self, owner: Owner, lease_ms: u64, now_ms: u64) -> Option<Answer>;

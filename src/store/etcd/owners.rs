@@ -101,6 +101,19 @@ impl EtcdStore {
         ours
     }
 
+    /// Whether what a failed compare read back shows this owner's ending applied already:
+    /// the key holds our completed entry (our token, our key), or a release finds it gone.
+    fn ended_already(&self, id: u64, current: Option<&Kv>) -> bool {
+        let Some(o) = self.owners.get(&id) else { return false };
+        match (&o.ending, current) {
+            (Some(Ending::Release), None) => true,
+            (Some(Ending::Complete { .. }), Some(kv)) => decode_entry(&kv.value).is_ok_and(|(entry, _)| {
+                entry.state.is_completed() && entry.gen == o.entry.gen && entry.key == o.entry.key
+            }),
+            _ => false,
+        }
+    }
+
     fn on_renew(&mut self, id: u64, entry: Entry, result: Result<TxnResult, EtcdError>, now: u64) {
         if let Some(o) = self.owners.get_mut(&id) {
             o.busy = false;
@@ -114,9 +127,16 @@ impl EtcdStore {
             }
             Ok(TxnResult { current: Some(kv), .. }) if self.adopt_if_ours(id, &kv) => {}
             Ok(_) => {
-                // Taken over (or gone): this owner no longer holds the key.
+                // Taken over (or gone): this owner no longer holds the key. An ending that
+                // waited behind the renewal is answered now, as it would have been (lost):
+                // its answer's end must not wait for a write that will never be sent.
                 if let Some(o) = self.owners.remove(&id) {
-                    self.answers.push_back((For::Owner(o.owner), Answer::Renewed(false)));
+                    let answer = match o.ending {
+                        Some(Ending::Complete { response, .. }) => Answer::Completed(Completed::Lost { response }),
+                        Some(Ending::Release) => Answer::Released { done: false, change: Change::default() },
+                        None => Answer::Renewed(false),
+                    };
+                    self.answers.push_back((For::Owner(o.owner), answer));
                 }
             }
             Err(err) => {
@@ -169,6 +189,10 @@ impl EtcdStore {
                 if let Some(o) = self.owners.get_mut(&id) {
                     o.busy = false;
                 }
+            }
+            Ok(TxnResult { current, succeeded: false, .. }) if self.ended_already(id, current.as_ref()) => {
+                // An earlier send of this ending was applied, its answer lost: done.
+                self.on_end(id, Ok(TxnResult { succeeded: true, revision: 0, current: None }), now)
             }
             Ok(TxnResult { succeeded, .. }) => {
                 let Some(o) = self.owners.remove(&id) else { return };
