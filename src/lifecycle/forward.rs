@@ -10,7 +10,7 @@ use crate::grpc;
 use crate::host::{Flow, Headers, Host};
 use crate::metrics::Counter;
 use crate::problem::Problem;
-use crate::store::{CallAnswer, CallKind, CallRequest, Owner, Store};
+use crate::store::{Answer, CallAnswer, CallKind, CallRequest, Owner, Store};
 
 /// A router-mode answer as it streams past, kept for the stored response. `kept` is `None`
 /// once it is over `max_response_bytes` or the worker's buffer budget: it passes on, unstored.
@@ -99,8 +99,18 @@ impl<S: Store> Lifecycle<S> {
         let p = p.policy(policy);
         if let Some(owner) = owner {
             if now.saturating_sub(leased_ms) >= p.lease_ms / 4 {
-                if let Some(answer) = self.store.renew(owner, p.lease_ms, now) {
+                let answer = self.store.renew(owner, p.lease_ms, now);
+                let lost = matches!(answer, Some(Answer::Renewed(false)));
+                if let Some(answer) = answer {
                     self.on_owner_answer(owner, answer);
+                }
+                if lost {
+                    // The mark expired before the call left (the worker was paused or
+                    // stalled past the lease): another request may hold the key now, and
+                    // sending would run the work twice. Nothing was sent: safe to retry.
+                    self.count(Counter::OwnerLost);
+                    let reason = "The claim expired before the request could be sent";
+                    return self.problem(stream, Problem::upstream_failed(503, reason, p.retry_after_s));
                 }
                 if let Some(h) = self.holdings.get_mut(&owner.id) {
                     h.renewed_ms = now;

@@ -453,7 +453,11 @@ impl World {
             }
         }
         self.end_stream(r);
-        let client = self.reqs[r].client;
+        self.retry_later(self.reqs[r].client);
+    }
+
+    /// A client that got no answer tries again later, if it has tries left.
+    fn retry_later(&mut self, client: usize) {
         if self.clients[client].attempts_left > 0 {
             let at = self.now + self.rng.range(100, 2_000);
             self.queue.push(at, Ev::Send { client });
@@ -955,6 +959,7 @@ impl World {
             }
             self.reqs[r].state = ReqState::Left;
             self.end_stream(r);
+            self.retry_later(self.reqs[r].client);
             return;
         }
         if has_trailers && self.reqs[r].open && self.vms[vm].lifecycle.watches_response(id) {
@@ -1006,8 +1011,10 @@ impl World {
             if !blocking {
                 continue;
             }
+            // From the other's request: its claim may have waited for a paused worker.
             let envoy = self.vms[other.vm].envoy;
-            if self.faults.may_lose_lease(envoy, other.start, self.now, LEASE_MS) {
+            let since = self.reqs[other.req].sent;
+            if self.faults.may_lose_lease(envoy, since, self.now, LEASE_MS) {
                 continue;
             }
             if !claimed && !held {
