@@ -532,7 +532,7 @@ impl<S: SharedKv> Table<S> {
         if old.bytes > 0 {
             // Free the old response; fenced like every blank (a blind write could meet a
             // newer owner's if clocks disagreed by a lease).
-            self.blank_data(slot, old.gen)?;
+            self.free_data(slot, old.gen);
         }
         let ticket = Ticket { slot, gen: claimed.gen, key: c.tag };
         Ok(Some(Begin::Claimed { ticket, takeover: c.takeover, change }))
@@ -594,7 +594,7 @@ impl<S: SharedKv> Table<S> {
         let done = self.update_owned(t, |w| *w = Entry { gen: w.gen, ..Entry::FREE })?;
         if done == Finish::Done {
             // Free what a racing late writer may have left in this entry's data key.
-            self.blank_data(t.slot, t.gen)?;
+            self.free_data(t.slot, t.gen);
         }
         Ok(done)
     }
@@ -651,7 +651,7 @@ impl<S: SharedKv> Table<S> {
             if self.write_bucket(bucket_id, &bucket, cas)? {
                 for (slot, gen) in freed {
                     cache.forget(slot);
-                    self.blank_data(slot, gen)?;
+                    self.free_data(slot, gen);
                 }
                 return Ok(if bytes > 0 { Completed::Stored(change) } else { Completed::WithoutBody(change) });
             }
@@ -681,6 +681,18 @@ impl<S: SharedKv> Table<S> {
             }
         }
         Err(StoreError::Contention)
+    }
+
+    /// Frees a data key after the bucket's write decided: that write stands whatever this
+    /// does (a claim made, a completion stored), so a failure is logged, not returned. What
+    /// stays is fenced by its stamp (read only for its own claim) and overwritten by the
+    /// slot's next completion: bounded as before.
+    fn free_data(&self, slot: u32, gen: u64) {
+        if let Err(e) = self.blank_data(slot, gen) {
+            log::warn!(
+                "shared data: could not free slot {slot}'s old response ({e:?}); it is freed on the slot's next use"
+            );
+        }
     }
 
     /// Empties a data key whose response belongs to `gen` or an older claim.
@@ -795,7 +807,7 @@ impl<S: SharedKv> Table<S> {
             }
             if self.write_bucket(bucket_id, &bucket, cas)? {
                 for (slot, gen) in blank {
-                    self.blank_data(slot, gen)?;
+                    self.free_data(slot, gen);
                 }
                 return Ok(change);
             }

@@ -649,3 +649,43 @@ fn the_claim_scan_decides_as_decoding_every_entry_would() {
     }
     assert_eq!(decisions.len(), 6, "the rounds reach every kind of decision and an error: {decisions:?}");
 }
+
+/// Shared data that refuses to empty a key while `refuse` is set (the host answered an
+/// unexpected status).
+#[derive(Default)]
+struct RefusesBlanks {
+    kv: MemoryKv,
+    refuse: std::cell::Cell<bool>,
+}
+
+impl SharedKv for RefusesBlanks {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), KvError> {
+        self.kv.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), KvError> {
+        if value.is_empty() && self.refuse.get() {
+            return Err(KvError::Host(2));
+        }
+        self.kv.set(key, value, cas)
+    }
+}
+
+/// Defect (issue: every combination, simulated): freeing the old response after the claim's
+/// CAS failed, and the claim answered an error (503) while its mark stayed, locking the key
+/// for the lease though the client was told nothing was done. The bucket's write decides.
+#[test]
+fn a_claim_stands_when_freeing_the_old_response_fails() {
+    let t = Table::new(RefusesBlanks::default(), Layout::new("t", 64, PLENTY));
+    assert!(t.create().unwrap());
+    let Begin::Claimed { ticket, .. } = t.begin(&key(1), &fp(1), 0, LEASE).unwrap() else { panic!() };
+    let completed = t.complete(&ticket, Some(&mut response("made")), 10, 1_000).unwrap();
+    assert!(matches!(completed, Completed::Stored(_)), "{completed:?}");
+    t.store.refuse.set(true);
+    // Past its retention the key is claimed again: its old response must be freed.
+    let again = t.begin(&key(1), &fp(2), 5_000, LEASE).unwrap();
+    let Begin::Claimed { ticket, .. } = again else { panic!("expected a claim, got {again:?}") };
+    // The new owner completes and replays; the old response is never served for it.
+    let completed = t.complete(&ticket, Some(&mut response("again")), 5_010, RETENTION).unwrap();
+    assert!(matches!(completed, Completed::Stored(_)), "{completed:?}");
+    assert!(matches!(t.begin(&key(1), &fp(2), 5_020, LEASE).unwrap(), Begin::Replay(r) if r.body() == b"again"));
+}
