@@ -67,7 +67,7 @@ fleet: build setup
 # usize, as in the plugin).
 unit: setup tools
 	cargo test --lib --test corpus_replay
-	cargo test --release --lib sim::
+	cargo test --release --lib sim:: -- --nocapture
 	cargo test --release --test model_check
 	cargo test --target $(TARGET) --lib
 	cargo test --target $(TARGET) --no-default-features --test corpus_replay

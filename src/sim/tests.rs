@@ -18,13 +18,20 @@ fn every_combination_keeps_every_invariant() {
     let mut failures = Vec::new();
     let mut requests = 0;
     for combo in Combo::all() {
+        let (mut combo_requests, mut combo_effects) = (0, 0);
         for seed in 0..seeds {
             let report = run(seed, combo, false);
-            requests += report.requests;
+            combo_requests += report.requests;
+            combo_effects += report.effects;
             for v in report.violations {
                 failures.push(format!("SEED={seed} COMBO={} {v}", combo.name()));
             }
         }
+        requests += combo_requests;
+        eprintln!(
+            "sim {}: seeds 0..{seeds}, {combo_requests} requests, {combo_effects} upstream effects",
+            combo.name()
+        );
     }
     eprintln!(
         "simulated {} combinations x {seeds} seeds: {requests} requests in {:.1} s",
