@@ -242,9 +242,13 @@ impl<S: Store> Lifecycle<S> {
         matches!(self.streams.get(&id), Some(Stream { phase: Phase::Owner { .. } | Phase::GrpcReplay { .. }, .. }))
     }
 
-    /// Nothing in flight and nothing to retry: a root that is being replaced may end.
+    /// Nothing in flight and nothing to retry: a root that is being replaced may end. Its
+    /// covered streams count too: a held request is polled, an owner's mark renewed and a
+    /// claim's call sent from this root's timer and queue, which end with it.
     pub fn is_idle(&self) -> bool {
-        self.calls.is_empty()
+        self.streams.is_empty()
+            && self.holdings.is_empty()
+            && self.calls.is_empty()
             && self.outbox.is_empty()
             && self.store_calls.is_empty()
             && self.ends.is_empty()

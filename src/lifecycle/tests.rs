@@ -229,6 +229,8 @@ fn detached_first_call_is_sent_by_the_root_stored_then_replayed() {
     let (_, effects) = send(&mut l, 2, &post("k", "{}"), 3);
     let sent = replies(&effects);
     assert!(is_replay(&sent[0].1) && body_of(&sent[0].1) == b"made");
+    assert!(!l.is_idle(), "a stream still open keeps its root");
+    l.on_stream_done(2);
     assert!(l.is_idle());
 }
 

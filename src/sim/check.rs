@@ -4,7 +4,7 @@
 use std::fmt;
 
 /// Every invariant, with what it asserts.
-pub const INVARIANTS: [(&str, &str); 18] = [
+pub const INVARIANTS: [(&str, &str); 20] = [
     ("duplicate_effect", "a key's work reaches the upstream again while a claimed call of it may run or after it completed, with no release, no expiry of its owner's lease, no unknown outcome to explain it"),
     ("held_duplicate_forwarded", "a request held as a duplicate is sent upstream without a claim while the first call runs"),
     ("replay_differs", "a replay is not the stored answer of a completed call of the same key and caller (status, body, gRPC status)"),
@@ -21,6 +21,8 @@ pub const INVARIANTS: [(&str, &str); 18] = [
     ("fence_missing", "with fencing on, a claimed request reaches the upstream without its token"),
     ("fence_reused", "two claims of one key carry the same fencing token"),
     ("forged_fence_passed", "the client's own fencing header reaches the upstream"),
+    ("old_root_never_finished", "a root replaced by a configuration update never ends (it keeps granting leases for ever)"),
+    ("old_root_ended_early", "a replaced root ended with calls or work in flight: their answers reach nobody"),
     ("livelock", "events keep coming at one instant: the run cannot advance"),
     ("store_hammered", "a failing etcd receives more calls than the backoff allows"),
 ];

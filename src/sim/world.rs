@@ -37,15 +37,43 @@ const FORGED_FENCE: &str = "99999999";
 type KeyId = (u64, u64);
 
 enum Ev {
-    Send { client: usize },
-    Leave { req: usize },
-    StreamDone { req: usize },
-    Tick { vm: usize },
-    Wake { vm: usize },
-    EtcdArrive { cluster: usize, vm: usize, call: u64, request: CallRequest },
-    EtcdAnswer { vm: usize, call: u64, answer: CallAnswer },
-    UpstreamArrive { flight: usize },
-    UpstreamAnswer { flight: usize },
+    Send {
+        client: usize,
+    },
+    Leave {
+        req: usize,
+    },
+    StreamDone {
+        req: usize,
+    },
+    Tick {
+        vm: usize,
+    },
+    Wake {
+        vm: usize,
+    },
+    EtcdArrive {
+        cluster: usize,
+        vm: usize,
+        call: u64,
+        request: CallRequest,
+    },
+    EtcdAnswer {
+        vm: usize,
+        call: u64,
+        answer: CallAnswer,
+    },
+    UpstreamArrive {
+        flight: usize,
+    },
+    UpstreamAnswer {
+        flight: usize,
+    },
+    /// The plugin's configuration is updated: each VM of this Envoy gets a new root for new
+    /// streams; the old root finishes what it has in flight, then ends.
+    ConfigUpdate {
+        envoy: usize,
+    },
 }
 
 impl Ev {
@@ -53,6 +81,7 @@ impl Ev {
     fn envoy(&self, w: &World) -> Option<usize> {
         let vm = match self {
             Ev::Send { .. } | Ev::EtcdArrive { .. } | Ev::UpstreamArrive { .. } => return None,
+            Ev::ConfigUpdate { envoy } => return Some(*envoy),
             Ev::Leave { req } | Ev::StreamDone { req } => w.reqs.get(*req)?.vm,
             Ev::Tick { vm } | Ev::Wake { vm } | Ev::EtcdAnswer { vm, .. } => *vm,
             Ev::UpstreamAnswer { flight } => w.flights.get(*flight)?.vm,
@@ -66,6 +95,10 @@ struct Vm {
     lifecycle: AnyLifecycle,
     next_id: u32,
     tick_ms: u64,
+    /// Replaced by a configuration update: takes no new streams, ends once idle.
+    draining: bool,
+    /// Ended (`proxy_done`): its timer and queue are gone.
+    finished: bool,
 }
 
 struct Client {
@@ -161,6 +194,8 @@ pub struct World {
     skews: Vec<u64>,
     kvs: Vec<Rc<MemoryKv>>,
     vms: Vec<Vm>,
+    /// Per Envoy, the VMs (roots) that take new streams.
+    active: Vec<Vec<usize>>,
     etcd: Vec<Model>,
     faults: Faults,
     clients: Vec<Client>,
@@ -203,6 +238,7 @@ impl World {
             skews,
             kvs,
             vms: Vec::new(),
+            active: vec![Vec::new(); envoys],
             etcd: (0..clusters).map(|_| Model::new()).collect(),
             faults,
             clients: Vec::new(),
@@ -232,6 +268,12 @@ impl World {
             let at = w.rng.range(0, HORIZON_MS / 2);
             w.queue.push(at, Ev::Send { client: c as usize });
         }
+        // Drawn apart, so that the rest of a seed's run does not depend on it.
+        let mut update = Rng::new(seed ^ 0xC0F1_6A7E);
+        if update.chance(300) {
+            let envoy = update.range(0, envoys as u64 - 1) as usize;
+            w.queue.push(update.range(500, HORIZON_MS), Ev::ConfigUpdate { envoy });
+        }
         w
     }
 
@@ -249,7 +291,8 @@ impl World {
         let tick_ms = lifecycle.tick_ms();
         let vm = self.vms.len();
         let first_tick = self.rng.range(1, tick_ms);
-        self.vms.push(Vm { envoy, lifecycle, next_id: 2, tick_ms });
+        self.vms.push(Vm { envoy, lifecycle, next_id: 2, tick_ms, draining: false, finished: false });
+        self.active[envoy].push(vm);
         self.queue.push(first_tick, Ev::Tick { vm });
     }
 
@@ -301,6 +344,14 @@ impl World {
         self.finish()
     }
 
+    /// A replaced root ends once idle, as `plugin/root.rs` does (its timer and queue go).
+    fn end_if_drained(&mut self, vm: usize) {
+        if self.vms[vm].draining && !self.vms[vm].finished && self.vms[vm].lifecycle.is_idle() {
+            self.vms[vm].finished = true;
+            self.log(|| format!("vm {vm}'s old root ends"));
+        }
+    }
+
     fn traffic_over(&self) -> bool {
         self.clients.iter().all(|c| c.attempts_left == 0) && self.reqs.iter().all(|r| r.state != ReqState::Waiting)
     }
@@ -311,16 +362,32 @@ impl World {
             Ev::Leave { req } => self.leave(req),
             Ev::StreamDone { req } => self.stream_done(req),
             Ev::Tick { vm } => {
+                if self.vms[vm].finished {
+                    return;
+                }
                 let now = self.clock(vm);
                 self.vms[vm].lifecycle.on_tick(now);
                 self.carry_out(vm, None);
+                self.end_if_drained(vm);
                 let next = self.now + self.vms[vm].tick_ms + self.rng.range(0, 3);
                 self.queue.push(next, Ev::Tick { vm });
             }
             Ev::Wake { vm } => {
+                if self.vms[vm].finished {
+                    return;
+                }
                 let now = self.clock(vm);
                 self.vms[vm].lifecycle.on_wake(now);
                 self.carry_out(vm, None);
+                self.end_if_drained(vm);
+            }
+            Ev::ConfigUpdate { envoy } => {
+                for vm in std::mem::take(&mut self.active[envoy]) {
+                    self.log(|| format!("configuration update: vm {vm} drains"));
+                    self.vms[vm].draining = true;
+                    self.add_vm(envoy);
+                    self.end_if_drained(vm);
+                }
             }
             Ev::EtcdArrive { cluster, vm, call, request } => self.etcd_arrive(cluster, vm, call, request),
             Ev::EtcdAnswer { vm, call, answer } => self.etcd_deliver(vm, call, answer),
@@ -340,7 +407,8 @@ impl World {
         let (key, variant) = (c.key, c.variant);
         let envoys = self.kvs.len() as u64;
         let envoy = self.rng.range(0, envoys - 1) as usize;
-        let vm = envoy * WORKERS + self.rng.range(0, WORKERS as u64 - 1) as usize;
+        let roots = &self.active[envoy];
+        let vm = roots[self.rng.range(0, roots.len() as u64 - 1) as usize];
         let id = self.vms[vm].next_id;
         self.vms[vm].next_id += 1;
         let r = self.reqs.len();
@@ -675,6 +743,9 @@ impl World {
             Some(delivered) if !*delivered => *delivered = true,
             _ => return,
         }
+        if self.root_gone(vm, "an etcd answer") {
+            return;
+        }
         let header = |name: &str| answer.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
         let status = header("grpc-status").and_then(|v| String::from_utf8(v).ok()?.parse().ok()).unwrap_or(14);
         let host = SimHost {
@@ -686,6 +757,15 @@ impl World {
         let now = self.clock(vm);
         self.vms[vm].lifecycle.on_grpc_call_answer(&host, CallId::Store(call), status, answer.body.len(), now);
         self.carry_out(vm, None);
+        self.end_if_drained(vm);
+    }
+
+    /// A call's answer for a root that has ended: it ended with work in flight.
+    fn root_gone(&mut self, vm: usize, what: &str) -> bool {
+        if self.vms[vm].finished {
+            self.check.fail("old_root_ended_early", self.now, format!("{what} for vm {vm}, whose old root ended"));
+        }
+        self.vms[vm].finished
     }
 
     // --- the upstream ------------------------------------------------------------------------
@@ -905,6 +985,9 @@ impl World {
         let vm = self.flights[f].vm;
         match self.flights[f].call {
             Some(n) => {
+                if self.root_gone(vm, "a detached call's answer") {
+                    return;
+                }
                 let (headers, trailers) = if answer.broken && !self.combo.is_grpc() {
                     (Vec::new(), Vec::new())
                 } else {
@@ -921,6 +1004,7 @@ impl World {
                 let now = self.clock(vm);
                 self.vms[vm].lifecycle.on_call_answer(&host, CallId::Upstream(n), has_headers, answer.body.len(), now);
                 self.carry_out(vm, None);
+                self.end_if_drained(vm);
             }
             None => self.router_response(r, answer),
         }
@@ -1100,6 +1184,11 @@ impl World {
             let residue = v.lifecycle.residue();
             if !residue.is_empty() {
                 self.check.fail("not_back_to_baseline", self.now, format!("vm {vm}: {residue:?}"));
+            }
+        }
+        for (vm, v) in self.vms.iter().enumerate() {
+            if v.draining && !v.finished {
+                self.check.fail("old_root_never_finished", self.now, format!("vm {vm}: {:?}", v.lifecycle.residue()));
             }
         }
         for (cluster, calls) in self.calls_in_trouble.iter().enumerate() {
