@@ -30,6 +30,8 @@ pub mod table;
 #[cfg(test)]
 #[cfg(not(target_family = "wasm"))]
 mod sim;
+#[cfg(test)]
+pub mod test_host;
 
 #[cfg(all(target_arch = "wasm32", not(test), feature = "plugin"))]
 mod plugin;

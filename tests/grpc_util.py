@@ -50,9 +50,11 @@ class GrpcUpstream:
         self.server.stop(0)
 
 
-def pay(port, key, body=b"amount=10", timeout=10, **metadata):
-    """One call through `port`; returns (code, message or details, initial, trailing)."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def pay(port, key, body=b"amount=10", timeout=10, authority=None, **metadata):
+    """One call through `port` (with `authority`, e.g. a fleet's one name for its API);
+    returns (code, message or details, initial, trailing)."""
+    options = [("grpc.default_authority", authority)] if authority else []
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
         call = channel.unary_unary(f"/{SERVICE}/{METHOD}")
         md = [("idempotency-key", key), ("authorization", "Bearer alice")]
         md += [(k.replace("_", "-"), str(v)) for k, v in metadata.items()]

@@ -19,9 +19,11 @@ import e2e_util
 from e2e_util import (assert_in_progress, assert_replay_of, describe, is_in_progress, is_replay,
                       key_headers, new_key, plugin_counters)
 from etcd_util import Etcd, cluster as etcd_cluster
-from grpc_util import METHOD, SERVICE, GrpcUpstream, with_replay_loopback
+import grpc_util
+from grpc_util import GrpcUpstream, with_replay_loopback
 from harness import abandon, envoy_config, free_port, wait_until
 from relay_util import H2TrailersCut, Relay
+from test_fleet import fleet_config
 
 HOST = "api.example"  # both Envoys of a fleet are addressed by one name (the key includes it)
 BODY = b'{"amount":10}'
@@ -54,14 +56,6 @@ def grpc_upstream():
     up = GrpcUpstream()
     yield up
     up.stop()
-
-
-def fleet_config(**overrides):
-    store = {"kind": "etcd", "cluster": "etcd", "timeout_ms": 1000}
-    store.update(overrides.pop("store", {}))
-    config = {"lease_ms": 3000, "store": store}  # the smallest lease accepted with etcd
-    config.update(overrides)
-    return config
 
 
 @pytest.fixture
@@ -237,18 +231,8 @@ def test_held_duplicates_are_not_passed_upstream_when_etcd_stalls(upstream, etcd
 
 
 def pay(port, key, body=b"amount=10", timeout=10, **metadata):
-    """One unary call through `port`, with the fleet's authority (the key includes it);
-    returns (code, message or details, initial metadata, trailing metadata)."""
-    options = [("grpc.default_authority", HOST)]
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-        call = channel.unary_unary(f"/{SERVICE}/{METHOD}")
-        md = [("idempotency-key", key), ("authorization", "Bearer alice")]
-        md += [(k.replace("_", "-"), str(v)) for k, v in metadata.items()]
-        try:
-            response, c = call.with_call(body, metadata=md, timeout=timeout)
-            return grpc.StatusCode.OK, response, dict(c.initial_metadata()), dict(c.trailing_metadata())
-        except grpc.RpcError as e:
-            return e.code(), e.details(), dict(e.initial_metadata() or ()), dict(e.trailing_metadata() or ())
+    """One unary call through `port`, with the fleet's authority (the key includes it)."""
+    return grpc_util.pay(port, key, body=body, timeout=timeout, authority=HOST, **metadata)
 
 
 def grpc_envoy(make_envoy, upstream_port, config, extra_clusters=()):

@@ -5,75 +5,14 @@ use std::rc::Rc;
 
 use super::*;
 use crate::config::Config;
-use crate::host::HeaderMap;
 use crate::metrics::Counter;
 use crate::store::shared::SharedStore;
 use crate::table::memory::MemoryKv;
 use crate::table::{Layout, Table};
 
-/// What Envoy would hand the plugin for the current stream or call.
-#[derive(Default, Clone)]
-pub(super) struct FakeHost {
-    pub(super) request: Headers,
-    pub(super) body: Vec<u8>,
-    pub(super) response: Headers,
-    pub(super) response_body: Vec<u8>,
-    pub(super) response_trailers: Headers,
-    pub(super) code_details: Option<&'static str>,
-    pub(super) call_headers: Headers,
-    pub(super) call_body: Vec<u8>,
-    pub(super) call_trailers: Headers,
-    pub(super) now: u64,
-    pub(super) grpc_text: Vec<u8>,
-}
+pub(super) use crate::test_host::TestHost as FakeHost;
 
 pub(super) type Headers = Vec<(String, Vec<u8>)>;
-
-impl Host for FakeHost {
-    fn now_ms(&self) -> u64 {
-        self.now
-    }
-    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
-        self.request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
-    }
-    fn request_headers(&self) -> HeaderMap {
-        HeaderMap::from_pairs(&self.request)
-    }
-    fn request_body(&self, size: usize) -> Vec<u8> {
-        self.body.iter().take(size).copied().collect()
-    }
-    fn response_headers(&self) -> Headers {
-        self.response.clone()
-    }
-    fn response_body(&self, size: usize) -> Vec<u8> {
-        self.response_body.iter().take(size).copied().collect()
-    }
-    fn response_trailers(&self) -> Headers {
-        self.response_trailers.clone()
-    }
-    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        match path {
-            ["xds", "cluster_name"] => Some(b"upstream".to_vec()),
-            ["response", "code_details"] => self.code_details.map(|d| d.as_bytes().to_vec()),
-            _ => None,
-        }
-    }
-    fn call_headers(&self) -> Headers {
-        self.call_headers.clone()
-    }
-    fn call_body(&self, size: usize) -> Vec<u8> {
-        self.call_body.iter().take(size).copied().collect()
-    }
-    fn call_trailers(&self) -> Headers {
-        self.call_trailers.clone()
-    }
-    fn grpc_message(&self, size: usize) -> Vec<u8> {
-        self.call_body.iter().take(size).copied().collect()
-    }
-    fn grpc_status_text(&self) -> Vec<u8> {
-        self.grpc_text.clone()
-    }
-}
 
 pub(super) fn headers(pairs: &[(&str, &str)]) -> Headers {
     pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()

@@ -9,7 +9,6 @@
 //! while; `cargo test --lib sim::` runs the whole matrix with a fixed number of seeds each.
 
 mod check;
-mod host;
 mod net;
 mod world;
 

@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use super::check::Checker;
-use super::host::SimHost;
 use super::net::{Faults, Queue, Rng, Trouble};
 use super::{Combo, Protocol, Report, StoreKind, ETCD_TIMEOUT_MS, FENCE_HEADER, LEASE_MS, MAX_RESPONSE_BYTES};
 use crate::build::AnyLifecycle;
@@ -17,6 +16,7 @@ use crate::lifecycle::{CallId, Effect, Reply};
 use crate::store::etcd::model::Model;
 use crate::store::{CallAnswer, CallKind, CallRequest};
 use crate::table::memory::MemoryKv;
+use crate::test_host::TestHost as SimHost;
 
 const ENVOYS_ETCD: usize = 2;
 const WORKERS: usize = 2;
@@ -1021,7 +1021,7 @@ impl World {
             response: answer.headers.clone(),
             response_body: answer.body.clone(),
             response_trailers: answer.trailers.clone(),
-            code_details: Some(answer.from_envoy.unwrap_or("via_upstream").to_string()),
+            code_details: Some(answer.from_envoy.unwrap_or("via_upstream")),
             ..SimHost::default()
         };
         let has_body = !answer.body.is_empty();

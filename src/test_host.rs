@@ -1,24 +1,25 @@
-//! What the simulated Envoy hands the lifecycle during one event: the current stream's
-//! request or response, or the answer of the call being delivered.
+//! What Envoy would hand the lifecycle during one event (tests only): the current stream's
+//! request or response, or the answer of the call being delivered. The lifecycle's tests and
+//! the simulator (`src/sim/`) share it.
 
 use crate::host::{HeaderMap, Headers, Host};
 
 #[derive(Default, Clone)]
-pub struct SimHost {
+pub struct TestHost {
     pub now: u64,
     pub request: Headers,
     pub body: Vec<u8>,
     pub response: Headers,
     pub response_body: Vec<u8>,
     pub response_trailers: Headers,
-    pub code_details: Option<String>,
+    pub code_details: Option<&'static str>,
     pub call_headers: Headers,
     pub call_body: Vec<u8>,
     pub call_trailers: Headers,
     pub grpc_text: Vec<u8>,
 }
 
-impl Host for SimHost {
+impl Host for TestHost {
     fn now_ms(&self) -> u64 {
         self.now
     }
@@ -43,7 +44,7 @@ impl Host for SimHost {
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         match path {
             ["xds", "cluster_name"] => Some(b"upstream".to_vec()),
-            ["response", "code_details"] => self.code_details.as_ref().map(|d| d.as_bytes().to_vec()),
+            ["response", "code_details"] => self.code_details.map(|d| d.as_bytes().to_vec()),
             _ => None,
         }
     }
