@@ -566,3 +566,44 @@ fn an_etcd_out_of_space_is_not_hammered_by_a_waiting_completion() {
     assert!(txns <= 12 && grants <= 20, "{txns} completions and {grants} lease grants in 10 s");
     assert!(before_deadline <= 6, "{before_deadline} completions in the 2.5 s before the deadline");
 }
+
+/// Defect (issue: every combination, simulated): a completion etcd applied but did not
+/// acknowledge was sent again, failed its compare against its own completed entry, and was
+/// reported lost (a false owner_lost, and no local copy). Its own entry read back means done.
+#[test]
+fn a_completion_applied_but_not_acknowledged_is_done() {
+    let (mut s, mut m) = (store(1), Model::new());
+    let owner = claimed(&mut s, &mut m, "k", 0);
+    assert!(s.complete(owner, Some(response("done")), RETENTION, 10).is_none());
+    let (n, request) = next_txn(&mut s, &mut m, 10);
+    m.handle(&request, 10); // applied...
+    s.on_call_answer(n, &timed_out(), 1_010); // ...its answer lost
+    assert!(matches!(answers(&mut s).as_slice(), [(_, Answer::Refused { .. })]));
+    s.tick(3_000);
+    run(&mut s, &mut m, 3_000);
+    assert!(matches!(completed(&mut s), Completed::Stored { .. }), "reported lost");
+    assert!(s.is_idle());
+}
+
+/// Defect (issue: every combination, simulated): a renewal in flight found the mark taken
+/// over while the completion waited behind it; the owner was dropped with only
+/// `Renewed(false)`, and the answer's end waited `write_wait_ms` for an acknowledgement that
+/// could never come. The ending is answered at once, as lost.
+#[test]
+fn a_renewal_that_finds_the_mark_taken_over_answers_the_ending_behind_it() {
+    let (mut a, mut b, mut m) = (store(1), store(2), Model::new());
+    let owner = claimed(&mut a, &mut m, "k", 0);
+    claimed(&mut b, &mut m, "k", LEASE + 1); // A was paused past its lease
+    a.tick(LEASE + 2);
+    run(&mut a, &mut m, LEASE + 2); // a fresh lease for A's marks
+    answers(&mut a);
+    a.renew(owner, LEASE, LEASE + 3);
+    let (n, request) = a.poll_call().expect("a renewal");
+    assert!(a.complete(owner, Some(response("late")), RETENTION, LEASE + 4).is_none());
+    assert!(a.poll_call().is_none(), "the completion waits behind the renewal");
+    let answer = m.handle(&request, LEASE + 5);
+    a.on_call_answer(n, &answer, LEASE + 5);
+    run(&mut a, &mut m, LEASE + 5);
+    let all = answers(&mut a);
+    assert!(matches!(all.as_slice(), [(For::Owner(_), Answer::Completed(Completed::Lost { .. }))]), "{all:?}");
+}
