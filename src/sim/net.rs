@@ -155,11 +155,12 @@ impl Faults {
     }
 
     /// Whether an owner's mark may have expired under it between `from` and `to`: its Envoy
-    /// was paused, or an etcd cluster stalled or was down, for half a lease or more.
+    /// was paused, or an etcd cluster stalled, was down or refused writes (out of space: no
+    /// renewal lands), for half a lease or more.
     pub fn may_lose_lease(&self, envoy: usize, from: u64, to: u64, lease_ms: u64) -> bool {
         let long = |a: u64, b: u64| b.min(to).saturating_sub(a.max(from)) * 2 >= lease_ms;
         let paused = self.pauses.get(envoy).is_some_and(|p| p.iter().any(|(a, b)| long(*a, *b)));
-        let etcd = self.etcd.iter().flatten().any(|w| w.trouble != Trouble::NoSpace && long(w.from, w.to));
+        let etcd = self.etcd.iter().flatten().any(|w| long(w.from, w.to));
         paused || etcd
     }
 

@@ -308,6 +308,11 @@ impl World {
     }
 
     pub fn run(mut self) -> Report {
+        let (etcd, pauses) = (format!("{:?}", self.faults.etcd), format!("{:?}", self.faults.pauses));
+        let (latency, lost) = (self.faults.etcd_latency_max, (self.faults.lose_before, self.faults.lose_after));
+        self.log(|| {
+            format!("faults: etcd {etcd}, latency up to {latency} ms, lost per mille {lost:?}, paused {pauses}")
+        });
         let mut same_instant = 0;
         while let Some((at, ev)) = self.queue.pop() {
             // After the drain, run on until every VM is back at its baseline at one moment
