@@ -9,7 +9,7 @@ use super::check::Checker;
 use super::net::{Faults, Queue, Rng, Trouble};
 use super::{Combo, Protocol, Report, StoreKind, ETCD_TIMEOUT_MS, FENCE_HEADER, LEASE_MS, MAX_RESPONSE_BYTES};
 use crate::build::AnyLifecycle;
-use crate::config::{Config, Forward};
+use crate::config::Config;
 use crate::host::{Flow, Headers};
 use crate::lifecycle::inspect::PhaseName;
 use crate::lifecycle::{CallId, Effect, Reply};
@@ -181,11 +181,12 @@ struct Flight {
     start: u64,
     state: FlightState,
     answer: Response,
+    /// Whether the upstream's answer completes the key (not released, not Envoy's own).
+    storable: bool,
     latency: u64,
 }
 
 pub struct World {
-    seed: u64,
     combo: Combo,
     config: String,
     rng: Rng,
@@ -229,7 +230,6 @@ impl World {
         let skews = (0..envoys).map(|_| rng.range(0, 40)).collect();
         let grace_ms = if combo.is_etcd() { 2 * ETCD_TIMEOUT_MS + 2 * faults.etcd_latency_max + 300 } else { 200 };
         let mut w = World {
-            seed,
             combo,
             config,
             rng,
@@ -372,7 +372,7 @@ impl World {
                 }
                 let now = self.clock(vm);
                 self.vms[vm].lifecycle.on_tick(now);
-                self.carry_out(vm, None);
+                self.carry_out(vm);
                 self.end_if_drained(vm);
                 let next = self.now + self.vms[vm].tick_ms + self.rng.range(0, 3);
                 self.queue.push(next, Ev::Tick { vm });
@@ -383,7 +383,7 @@ impl World {
                 }
                 let now = self.clock(vm);
                 self.vms[vm].lifecycle.on_wake(now);
-                self.carry_out(vm, None);
+                self.carry_out(vm);
                 self.end_if_drained(vm);
             }
             Ev::ConfigUpdate { envoy } => {
@@ -455,14 +455,14 @@ impl World {
         self.log(|| format!("client {client} sends req {r} key {key:?} v{variant} to vm {vm} stream {id}"));
         let host = SimHost { now: self.clock(vm), request: headers, body, ..SimHost::default() };
         let flow = self.vms[vm].lifecycle.on_request_headers(&host, id, false);
-        self.carry_out(vm, Some(id));
+        self.carry_out(vm);
         if self.reqs[r].state != ReqState::Waiting || !self.reqs[r].open {
             return;
         }
         let flow = if flow == Flow::Pause || self.vms[vm].lifecycle.tracks(id) {
             let size = host.body.len();
             let flow = self.vms[vm].lifecycle.on_request_body(&host, id, size, true);
-            self.carry_out(vm, Some(id));
+            self.carry_out(vm);
             flow
         } else {
             flow
@@ -548,16 +548,16 @@ impl World {
         self.reqs[r].open = false;
         if self.vms[vm].lifecycle.tracks(id) {
             self.vms[vm].lifecycle.on_stream_done(id);
-            self.carry_out(vm, None);
+            self.carry_out(vm);
         }
     }
 
     // --- effects, as the adapter carries them out ------------------------------------------
 
-    fn carry_out(&mut self, vm: usize, current: Option<u32>) {
+    fn carry_out(&mut self, vm: usize) {
         let effects = self.vms[vm].lifecycle.take_effects();
         for effect in effects {
-            self.effect(vm, current, effect);
+            self.effect(vm, effect);
         }
         self.note_held(vm);
     }
@@ -572,7 +572,7 @@ impl World {
         Some(r)
     }
 
-    fn effect(&mut self, vm: usize, _current: Option<u32>, effect: Effect) {
+    fn effect(&mut self, vm: usize, effect: Effect) {
         match effect {
             Effect::Reply { stream, reply } => {
                 let Some(r) = self.open_stream(vm, stream, "a reply") else { return };
@@ -761,7 +761,7 @@ impl World {
         };
         let now = self.clock(vm);
         self.vms[vm].lifecycle.on_grpc_call_answer(&host, CallId::Store(call), status, answer.body.len(), now);
-        self.carry_out(vm, None);
+        self.carry_out(vm);
         self.end_if_drained(vm);
     }
 
@@ -820,6 +820,7 @@ impl World {
             start: self.now,
             state: FlightState::Running,
             answer: Response::default(),
+            storable: false,
             latency: 0,
         });
         if call.is_none() {
@@ -847,6 +848,7 @@ impl World {
                 ..Response::default()
             };
             self.flights[f].answer = answer;
+            self.flights[f].storable = true;
             self.queue.push(self.now + 1, Ev::UpstreamAnswer { flight: f });
             return;
         }
@@ -887,9 +889,7 @@ impl World {
         let storable_now = storable;
         self.log(|| format!("flight {f} effect on key {key:?}; answers in {latency} ms (storable {storable_now})"));
         self.queue.push(self.now + latency, Ev::UpstreamAnswer { flight: f });
-        // Remember what the answer will be, for the checks (marked done when delivered).
-        self.flights[f].answer.from_envoy =
-            self.flights[f].answer.from_envoy.or(if storable { None } else { Some("") });
+        self.flights[f].storable = storable;
     }
 
     /// What the upstream answers, and after how long.
@@ -976,11 +976,8 @@ impl World {
 
     fn upstream_answer(&mut self, f: usize) {
         let state = self.flights[f].state;
-        let storable = self.flights[f].answer.from_envoy.is_none() && state != FlightState::Fenced;
-        let mut answer = self.flights[f].answer.clone();
-        if answer.from_envoy == Some("") {
-            answer.from_envoy = None;
-        }
+        let storable = self.flights[f].storable && state != FlightState::Fenced;
+        let answer = self.flights[f].answer.clone();
         match state {
             FlightState::Running => self.flights[f].state = FlightState::Done { storable },
             FlightState::Fenced => {}
@@ -1008,7 +1005,7 @@ impl World {
                 };
                 let now = self.clock(vm);
                 self.vms[vm].lifecycle.on_call_answer(&host, CallId::Upstream(n), has_headers, answer.body.len(), now);
-                self.carry_out(vm, None);
+                self.carry_out(vm);
                 self.end_if_drained(vm);
             }
             None => self.router_response(r, answer),
@@ -1034,12 +1031,12 @@ impl World {
         let mut flow = Flow::Continue;
         if self.vms[vm].lifecycle.watches_response(id) {
             flow = self.vms[vm].lifecycle.on_response_headers(&host, id, !has_body && !has_trailers && !answer.broken);
-            self.carry_out(vm, Some(id));
+            self.carry_out(vm);
         }
         if has_body && self.reqs[r].open && self.vms[vm].lifecycle.watches_response(id) {
             let eos = !has_trailers && !answer.broken;
             flow = self.vms[vm].lifecycle.on_response_body(&host, id, answer.body.len(), eos);
-            self.carry_out(vm, Some(id));
+            self.carry_out(vm);
         }
         if answer.broken {
             // The connection broke after the headers: the client sees a reset stream.
@@ -1053,7 +1050,7 @@ impl World {
         }
         if has_trailers && self.reqs[r].open && self.vms[vm].lifecycle.watches_response(id) {
             flow = self.vms[vm].lifecycle.on_response_trailers(&host, id);
-            self.carry_out(vm, Some(id));
+            self.carry_out(vm);
         }
         if !self.reqs[r].open {
             return;
@@ -1208,7 +1205,6 @@ impl World {
                 self.check.fail("store_hammered", self.now, detail);
             }
         }
-        let _ = (self.seed, self.combo.forward == Forward::Router);
         Report {
             requests: self.reqs.len(),
             effects: self.flights.iter().filter(|f| !f.loopback && f.state != FlightState::Fenced).count(),
