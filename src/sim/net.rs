@@ -94,6 +94,9 @@ pub enum Trouble {
     Stalled,
     /// The quota alarm: every write refused, reads served.
     NoSpace,
+    /// An election: no leader. A call either fails ("etcdserver: no leader") or its proposal
+    /// commits when the new leader is in, at the window's end (after Envoy's timeout).
+    NoLeader,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -114,7 +117,12 @@ pub struct Faults {
     pub lose_after: u64,
     /// Per Envoy: when it is paused (SIGSTOP), none of its VMs run.
     pub pauses: Vec<Vec<(u64, u64)>>,
+    /// Per Envoy: clock steps (when, by how many ms; negative: back), as NTP steps a clock.
+    pub steps: Vec<Vec<(u64, i64)>>,
 }
+
+/// The largest clock step drawn, either way.
+pub const STEP_MAX_MS: u64 = 3_000;
 
 impl Faults {
     pub fn draw(rng: &mut Rng, clusters: usize, envoys: usize, horizon: u64) -> Faults {
@@ -126,7 +134,8 @@ impl Faults {
         for _ in 0..clusters {
             let mut windows = Vec::new();
             if rng.chance(400) {
-                let trouble = rng.pick(&[Trouble::Down, Trouble::Stalled, Trouble::NoSpace]).unwrap_or(Trouble::Down);
+                let kinds = [Trouble::Down, Trouble::Stalled, Trouble::NoSpace, Trouble::NoLeader];
+                let trouble = rng.pick(&kinds).unwrap_or(Trouble::Down);
                 let from = rng.range(500, horizon);
                 let to = from + rng.range(200, 5_000);
                 windows.push(Window { from, to, trouble });
@@ -142,7 +151,21 @@ impl Faults {
             }
             pauses.push(windows);
         }
-        Faults { etcd, etcd_latency_max, lose_before, lose_after, pauses }
+        let mut steps = Vec::new();
+        for _ in 0..envoys {
+            let mut at = Vec::new();
+            if rng.chance(150) {
+                let by = rng.range(100, STEP_MAX_MS) as i64;
+                at.push((rng.range(500, horizon), if rng.chance(500) { by } else { -by }));
+            }
+            steps.push(at);
+        }
+        Faults { etcd, etcd_latency_max, lose_before, lose_after, pauses, steps }
+    }
+
+    /// How far Envoy `envoy`'s clock has been stepped by `at`.
+    pub fn stepped(&self, envoy: usize, at: u64) -> i64 {
+        self.steps.get(envoy).map_or(0, |s| s.iter().filter(|(when, _)| *when <= at).map(|(_, by)| by).sum())
     }
 
     pub fn trouble(&self, cluster: usize, at: u64) -> Option<Window> {
@@ -155,21 +178,29 @@ impl Faults {
     }
 
     /// Whether an owner's mark may have expired under it between `from` and `to`: its Envoy
-    /// was paused, or an etcd cluster stalled, was down or refused writes (out of space: no
-    /// renewal lands), for half a lease or more.
+    /// was paused, or an etcd cluster stalled, was down, had no leader or refused writes (out
+    /// of space: no renewal lands), for half a lease or more; or a clock stepped by half a
+    /// lease or more before `to`. Each Envoy judges a mark's deadline by its own clock: one
+    /// Envoy's step forward expires its marks early; in a fleet, a step either way sets one
+    /// Envoy's clock apart from the one that wrote the deadline.
     pub fn may_lose_lease(&self, envoy: usize, from: u64, to: u64, lease_ms: u64) -> bool {
         let long = |a: u64, b: u64| b.min(to).saturating_sub(a.max(from)) * 2 >= lease_ms;
         let paused = self.pauses.get(envoy).is_some_and(|p| p.iter().any(|(a, b)| long(*a, *b)));
         let etcd = self.etcd.iter().flatten().any(|w| long(w.from, w.to));
-        paused || etcd
+        let fleet = self.steps.len() > 1;
+        let apart = |by: i64| if fleet { by.unsigned_abs() } else { by.max(0) as u64 };
+        let stepped = self.steps.iter().flatten().any(|(at, by)| *at <= to && apart(*by) * 2 >= lease_ms);
+        paused || etcd || stepped
     }
 
-    /// Whether any etcd trouble, loss or pause touched `from..to`.
+    /// Whether any etcd trouble, loss or pause touched `from..to`, or a clock stepped back
+    /// (a mark then lives longer by the step) before `to`.
     pub fn any_between(&self, from: u64, to: u64) -> bool {
         let overlaps = |a: u64, b: u64| a < to && from < b;
         self.lose_before > 0
             || self.lose_after > 0
             || self.etcd.iter().flatten().any(|w| overlaps(w.from, w.to))
             || self.pauses.iter().flatten().any(|(a, b)| overlaps(*a, *b))
+            || self.steps.iter().flatten().any(|(at, by)| *at < to && *by < 0)
     }
 }

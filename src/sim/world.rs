@@ -28,6 +28,8 @@ const HORIZON_MS: u64 = 8_000;
 /// After the last client is done: leases expire, retries land, roots settle.
 const DRAIN_MS: u64 = 3 * LEASE_MS + 6_000;
 const HARD_END_MS: u64 = 180_000;
+/// Where the Envoys' clocks start (true time starts at 0).
+const CLOCK_BASE_MS: u64 = 1_000_000;
 /// After the drain, how long the VMs may take to be idle at one moment.
 const SETTLE_MS: u64 = 10_000;
 /// A client that stays has its answer within this (plus the time its Envoy was paused).
@@ -302,16 +304,20 @@ impl World {
         }
     }
 
-    /// The clock of the Envoy that runs `vm` (skewed).
+    /// The clock of the Envoy that runs `vm`: skewed, and stepped as the seed drew. It starts
+    /// at `CLOCK_BASE_MS` so that a step back never goes below zero.
     fn clock(&self, vm: usize) -> u64 {
-        self.now + self.skews[self.vms[vm].envoy]
+        let envoy = self.vms[vm].envoy;
+        let stepped = (self.now + CLOCK_BASE_MS) as i64 + self.faults.stepped(envoy, self.now);
+        stepped as u64 + self.skews[envoy]
     }
 
     pub fn run(mut self) -> Report {
         let (etcd, pauses) = (format!("{:?}", self.faults.etcd), format!("{:?}", self.faults.pauses));
+        let steps = format!("{:?}", self.faults.steps);
         let (latency, lost) = (self.faults.etcd_latency_max, (self.faults.lose_before, self.faults.lose_after));
         self.log(|| {
-            format!("faults: etcd {etcd}, latency up to {latency} ms, lost per mille {lost:?}, paused {pauses}")
+            format!("faults: etcd {etcd}, latency up to {latency} ms, lost per mille {lost:?}, paused {pauses}, clock steps {steps}")
         });
         let mut same_instant = 0;
         while let Some((at, ev)) = self.queue.pop() {
@@ -699,6 +705,9 @@ impl World {
     fn etcd_send(&mut self, vm: usize, call: u64, request: CallRequest) {
         let cluster = request.cluster.strip_prefix("etcd").and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);
         self.store_calls.insert((vm, call), false);
+        if let crate::store::CallKind::Grpc { method, .. } = &request.kind {
+            self.log(|| format!("vm {vm} etcd call {call}: {method}"));
+        }
         let timeout = request.timeout_ms.max(1);
         let timeout_answer = crate::store::etcd::grpc::status_answer(4, "upstream request timeout");
         self.queue.push(self.now + timeout, Ev::EtcdAnswer { vm, call, answer: timeout_answer });
@@ -731,6 +740,17 @@ impl World {
             self.queue.push(self.now + 1, Ev::EtcdAnswer { vm, call, answer: refused });
             return;
         }
+        if let Some(w) = self.faults.trouble(cluster, self.now).filter(|w| w.trouble == Trouble::NoLeader) {
+            if self.rng.chance(500) {
+                self.queue.push(w.to, Ev::EtcdArrive { cluster, vm, call, request });
+            // commits later
+            } else {
+                let failed = crate::store::etcd::grpc::status_answer(14, "etcdserver: no leader");
+                let at = self.now + self.rng.range(1, (w.to - self.now).clamp(1, 1_000));
+                self.queue.push(at, Ev::EtcdAnswer { vm, call, answer: failed });
+            }
+            return;
+        }
         let model = &mut self.etcd[cluster];
         model.no_space = trouble == Some(Trouble::NoSpace);
         let answer = model.handle(&request, self.now);
@@ -753,6 +773,7 @@ impl World {
         }
         let header = |name: &str| answer.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
         let status = header("grpc-status").and_then(|v| String::from_utf8(v).ok()?.parse().ok()).unwrap_or(14);
+        self.log(|| format!("vm {vm} etcd call {call} answered: grpc-status {status}"));
         let host = SimHost {
             now: self.clock(vm),
             call_body: answer.body.clone(),

@@ -279,8 +279,13 @@ impl EtcdStore {
             self.send_end(id, now);
         }
         let background = self.background.ready(now);
+        let lease_due = self.lease_due(now);
         if background {
-            self.keep_leases(now);
+            self.keep_leases(lease_due, now);
+        } else if lease_due > 0 && self.background.ready_by(now, lease_due, timeout_ms) {
+            // A mark about to expire waits for a lease to renew it with: as for its own
+            // write, the backoff is cut short rather than let another replica take it over.
+            self.grant_vm_lease(lease_due, now);
         }
         let renewals: Vec<(u64, u64)> =
             self.owners.iter().filter_map(|(id, o)| o.renew_wanted.map(|lease_ms| (*id, lease_ms))).collect();
@@ -308,7 +313,16 @@ impl EtcdStore {
 
     /// The VM's lease, and a retention lease for every policy's retention, so that
     /// completions do not wait for a grant.
-    fn keep_leases(&mut self, now: u64) {
+    /// When the first mark waiting for a lease to be renewed with expires (0: none waits).
+    fn lease_due(&self, now: u64) -> u64 {
+        if self.usable_lease(now).is_some() {
+            return 0;
+        }
+        self.owners.values().filter(|o| o.renew_wanted.is_some()).map(|o| o.entry.deadline_ms).min().unwrap_or(0)
+    }
+
+    /// Grants the leases that are missing or due; `lease_due` as [`Self::lease_due`].
+    fn keep_leases(&mut self, lease_due: u64, now: u64) {
         for i in 0..self.retentions.len() {
             let Some(&retention_s) = self.retentions.get(i) else { break };
             let fresh =
@@ -318,17 +332,18 @@ impl EtcdStore {
             }
         }
         if self.lease.is_none_or(|l| now >= l.rotate_at_ms) {
-            self.grant_vm_lease(now);
+            self.grant_vm_lease(lease_due, now);
         }
     }
 
-    fn grant_vm_lease(&mut self, now: u64) {
+    /// Asks for the VM lease; `need_by_ms` (0: nothing waits) as for [`Self::send_by`].
+    fn grant_vm_lease(&mut self, need_by_ms: u64, now: u64) {
         if self.lease_pending {
             return;
         }
         self.lease_pending = true;
         let request = Request::Grant { ttl_s: self.lease_ttl_s };
-        if !self.send(request, Op::GrantReplica { sent_ms: now }, now) {
+        if !self.send_by(request, Op::GrantReplica { sent_ms: now }, need_by_ms, now) {
             self.lease_pending = false;
         }
     }
@@ -458,7 +473,7 @@ impl Store for EtcdStore {
         // A lease grant is also the probe that finds etcd back once the backoff has passed,
         // without waiting for client traffic.
         if self.health.failing() && self.health.ready(now_ms) && self.probe.is_none() {
-            self.grant_vm_lease(now_ms);
+            self.grant_vm_lease(0, now_ms);
         }
         self.pump(now_ms);
         let change = self.replays.as_ref().map(|r| r.borrow_mut().tick(now_ms)).unwrap_or_default();

@@ -607,3 +607,37 @@ fn a_renewal_that_finds_the_mark_taken_over_answers_the_ending_behind_it() {
     let all = answers(&mut a);
     assert!(matches!(all.as_slice(), [(For::Owner(_), Answer::Completed(Completed::Lost { .. }))]), "{all:?}");
 }
+
+/// Defect (the simulator, SEED=5065 etcd1/detached/reject/http2): an outage of 1.4 s, less
+/// than half a lease, made an owner lose its mark. The VM lease became unusable meanwhile, the
+/// renewal waited for a new one, and the grant waited for the background backoff (up to 2 s):
+/// no renewal landed before the deadline, another replica took the key over and ran it again.
+#[test]
+fn a_renewal_waiting_for_a_lease_gets_one_before_its_mark_expires() {
+    const SHORT: u64 = 3_000;
+    let outage_from = 1_500;
+    for (seed, outage_to) in (1..=40u64).flat_map(|seed| (2_300..3_400).step_by(100).map(move |to| (seed, to))) {
+        let link = Link { cluster: "etcd".into(), authority: "etcd".into(), api: Api::Grpc, timeout_ms: 500 };
+        let mut s = EtcdStore::new(link, "t", SHORT, vec![RETENTION / 1000], seed);
+        let mut m = Model::new();
+        s.tick(0);
+        run(&mut s, &mut m, 0);
+        let owner = claimed(&mut s, &mut m, "k", 700);
+        let key = m.keys().into_iter().find(|k| k.starts_with(b"/t/")).unwrap();
+        let down = status_answer(14, "upstream connect error or disconnect/reset before headers");
+        for t in (710..7_000u64).step_by(10) {
+            if t % (SHORT / 4) == 0 {
+                s.renew(owner, SHORT, t);
+            }
+            s.tick(t);
+            while let Some((n, request)) = s.poll_call() {
+                let answer = if (outage_from..outage_to).contains(&t) { down.clone() } else { m.handle(&request, t) };
+                s.on_call_answer(n, &answer, t);
+            }
+            answers(&mut s);
+            let (entry, _) = crate::encoding::decode_entry(&m.value(&key).expect("the mark")).unwrap();
+            let expired = entry.deadline_ms;
+            assert!(t < expired, "seed {seed}, outage to {outage_to}: at {t} the mark expired at {expired}");
+        }
+    }
+}
