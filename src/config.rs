@@ -176,6 +176,9 @@ pub struct Config {
     /// The policy of requests no rule matches.
     pub policy: Policy,
     pub rules: Vec<Rule>,
+    /// What an earlier release's form of this configuration now means, and the values derived
+    /// for it: logged once at configure (docs/upgrading.md).
+    pub notices: Vec<String>,
 }
 
 impl Default for Policy {
@@ -224,6 +227,7 @@ impl Default for Config {
             grpc_replay_loopback: false,
             policy: Policy::default(),
             rules: Vec::new(),
+            notices: Vec::new(),
         }
     }
 }
@@ -253,6 +257,8 @@ fn err(field: &str, reason: impl Into<String>) -> ConfigError {
 /// and catch unit mistakes (seconds given as milliseconds).
 const MAX_MS: u64 = 24 * 3600 * 1000;
 const MIN_LEASE_MS: u64 = 1_000;
+/// The smallest `lease_ms` the first release took: a shorter one given is raised (see `finish`).
+const FIRST_MIN_LEASE_MS: u64 = 100;
 const MIN_ETCD_LEASE_MS: u64 = 3_000;
 const MAX_RETENTION_S: u64 = 30 * 24 * 3600;
 const MAX_BODY: u64 = 64 << 20;
@@ -279,6 +285,7 @@ impl Config {
         let mut c = Config::default();
         c.policy.max_response_bytes = UNSET;
         let mut rules = None;
+        let store_bytes_given = map.contains_key("max_store_bytes");
         for (name, v) in &map {
             let f = name.as_str();
             match f {
@@ -288,7 +295,7 @@ impl Config {
                 "max_waiters" => c.max_waiters = int(f, v, 0, 1 << 20)? as usize,
                 "max_buffered_bytes" => c.max_buffered_bytes = int(f, v, 0, 1 << 30)? as usize,
                 "replay_cache_bytes" => c.replay_cache_bytes = int(f, v, 0, 64 << 20)? as usize,
-                "store" => c.store = store(f, v)?,
+                "store" => c.store = store(f, v, &mut c.notices)?,
                 "fencing_header" => c.fencing_header = Some(header_name(f, v)?),
                 "grpc_replays" => {
                     c.grpc_replay_loopback = match string(f, v)? {
@@ -311,13 +318,14 @@ impl Config {
                 c.rules.push(rule(&format!("routes[{i}]"), item, &c.policy)?);
             }
         }
-        c.finish()?;
+        c.finish(store_bytes_given)?;
         Ok(c)
     }
 
     /// Checks the values that only make sense together (SPEC §3.8), and fits the default
-    /// `max_response_bytes` to the store.
-    fn finish(&mut self) -> Result<(), ConfigError> {
+    /// `max_response_bytes` to the store, or the default store to a `max_response_bytes`
+    /// given (`store_bytes_given`: whether `max_store_bytes` was).
+    fn finish(&mut self, store_bytes_given: bool) -> Result<(), ConfigError> {
         if let Some(name) = &self.fencing_header {
             // The token replaces what the client sent: it must not be a header the plugin
             // reads for itself, nor one Envoy owns.
@@ -330,6 +338,9 @@ impl Config {
             {
                 return Err(err("fencing_header", format!("{name:?} is a header the plugin or Envoy reads")));
             }
+        }
+        if !store_bytes_given {
+            self.fit_store_bytes();
         }
         let (limit, limit_why) = match &self.store {
             StoreConfig::SharedData => {
@@ -348,7 +359,33 @@ impl Config {
         };
         let policies = std::iter::once((String::new(), &mut self.policy))
             .chain(self.rules.iter_mut().enumerate().map(|(i, r)| (format!("routes[{i}]."), &mut r.policy)));
+        let notices = &mut self.notices;
         for (at, p) in policies {
+            // Leases an earlier release took, now too short to hold under load (measured):
+            // raised, rather than a configuration that loaded before refused.
+            let mut min_lease = MIN_LEASE_MS;
+            let mut why = "the shortest lease a live call keeps under load".to_string();
+            if let Some(timeout_ms) = etcd_timeout {
+                min_lease = MIN_ETCD_LEASE_MS.max(timeout_ms.saturating_mul(3));
+                why = format!("with the etcd store, at least {MIN_ETCD_LEASE_MS} and three store.timeout_ms ({timeout_ms}): a renewal round trip reaches hundreds of ms, and one that times out must leave time for the next");
+            }
+            if p.lease_ms < min_lease {
+                notices.push(format!("{at}lease_ms {} raised to {min_lease}: {why}", p.lease_ms));
+                p.lease_ms = min_lease;
+            }
+            // 0 meant no timeout before 0.1.0; a stalled upstream would hold its key for ever.
+            if p.upstream_timeout_ms == 0 {
+                notices.push(format!("{at}upstream_timeout_ms 0 (no timeout) is now {MAX_MS}, the longest one"));
+                p.upstream_timeout_ms = MAX_MS;
+            }
+            // Before 0.1.0 a larger answer failed its write to etcd; now it is not stored.
+            if etcd_timeout.is_some() && p.max_response_bytes != UNSET && p.max_response_bytes as u64 > limit {
+                notices.push(format!(
+                    "{at}max_response_bytes {} lowered to {limit}, what one etcd request carries",
+                    p.max_response_bytes
+                ));
+                p.max_response_bytes = limit as usize;
+            }
             if p.max_response_bytes == UNSET {
                 p.max_response_bytes = default;
             } else if p.max_response_bytes as u64 > limit {
@@ -357,24 +394,43 @@ impl Config {
                     format!("{} is above {limit_why}", p.max_response_bytes),
                 ));
             }
-            let Some(timeout_ms) = etcd_timeout else { continue };
-            // A renewal through etcd takes a round trip that reached hundreds of milliseconds
-            // under load (measured): shorter leases let live calls lose their mark.
-            if p.lease_ms < MIN_ETCD_LEASE_MS {
-                return Err(err(
-                    &format!("{at}lease_ms"),
-                    format!("with the etcd store, at least {MIN_ETCD_LEASE_MS}, got {}", p.lease_ms),
-                ));
-            }
-            // Renewals run every lease/4; one that times out must leave time for the next.
-            if timeout_ms * 3 > p.lease_ms {
-                return Err(err(
-                    "store.timeout_ms",
-                    format!("{timeout_ms} is not well below {at}lease_ms ({}): at most a third of it", p.lease_ms),
-                ));
-            }
         }
         Ok(())
+    }
+
+    /// Releases before 0.2.0 had no byte budget and stored answers up to the
+    /// `max_response_bytes` given (1 MiB was the documented default). With the default budget
+    /// one bucket's share is smaller than that for a large `capacity`: the budget grows to
+    /// give each bucket room for one such answer, instead of refusing a configuration that
+    /// loaded before.
+    fn fit_store_bytes(&mut self) {
+        if !matches!(self.store, StoreConfig::SharedData) {
+            return;
+        }
+        let largest = self.policies().map(|p| p.max_response_bytes).filter(|b| *b != UNSET).max().unwrap_or(0);
+        let buckets = u64::from(crate::table::Layout::buckets_for(self.capacity));
+        let needed = (largest as u64).saturating_mul(buckets).min(MAX_STORE_BYTES);
+        if needed > self.max_store_bytes {
+            self.notices.push(format!(
+                "max_store_bytes not given: derived {needed} (max_response_bytes {largest} for each of the \
+                 {buckets} buckets of capacity {}) instead of the default {}; set max_store_bytes to choose",
+                self.capacity, self.max_store_bytes
+            ));
+            self.max_store_bytes = needed;
+        }
+    }
+
+    /// The figures an operator needs to know what memory the table may use (the gauges
+    /// `idempotency.config_*`, and the line logged at configure).
+    pub fn derived(&self) -> Vec<(crate::metrics::Gauge, u64)> {
+        use crate::metrics::Gauge;
+        let buckets = u64::from(crate::table::Layout::buckets_for(self.capacity));
+        vec![
+            (Gauge::ConfigStoreBytes, self.max_store_bytes),
+            (Gauge::ConfigBuckets, buckets),
+            (Gauge::ConfigBucketShareBytes, self.max_store_bytes / buckets.max(1)),
+            (Gauge::ConfigMaxResponseBytes, self.policy.max_response_bytes as u64),
+        ]
     }
 
     /// The policy for a request: the first rule that matches, else the base policy.
@@ -485,7 +541,7 @@ impl Policy {
             "fingerprint_body" => self.fingerprint_body = boolean(f, v)?,
             // Renewal runs every lease/4 from the worker's event loop, which an overloaded
             // worker can stall for hundreds of ms (measured): shorter leases expire under load.
-            "lease_ms" => self.lease_ms = int(f, v, MIN_LEASE_MS, MAX_MS)?,
+            "lease_ms" => self.lease_ms = int(f, v, FIRST_MIN_LEASE_MS, MAX_MS)?,
             "retention_s" => self.retention_s = int(f, v, 1, MAX_RETENTION_S)?,
             "retry_after_s" => self.retry_after_s = int(f, v, 1, 3600)?,
             "on_conflict" => {
@@ -508,7 +564,7 @@ impl Policy {
                 }
             }
             // 0 would mean no timeout: a stalled upstream would hold its key for ever.
-            "upstream_timeout_ms" => self.upstream_timeout_ms = int(f, v, 1, MAX_MS)?,
+            "upstream_timeout_ms" => self.upstream_timeout_ms = int(f, v, 0, MAX_MS)?,
             _ => return Ok(false),
         }
         Ok(true)
@@ -551,7 +607,7 @@ fn jwt_claim(f: &str, v: &Value) -> Result<Option<JwtClaim>, ConfigError> {
     }
 }
 
-fn etcd(f: &str, map: &serde_json::Map<String, Value>) -> Result<StoreConfig, ConfigError> {
+fn etcd(f: &str, map: &serde_json::Map<String, Value>, notices: &mut Vec<String>) -> Result<StoreConfig, ConfigError> {
     let mut clusters: Vec<String> = Vec::new();
     let mut authority = None;
     let mut api = Api::Grpc;
@@ -589,6 +645,15 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>) -> Result<StoreConfig, Co
     }
     if map.contains_key("cluster") && map.contains_key("clusters") {
         return Err(err(&format!("{f}.clusters"), "give cluster or clusters, not both"));
+    }
+    if authority.is_some() && !map.contains_key("api") && clusters.len() == 1 {
+        // Before 0.2.0 the JSON gateway was the only API, and `authority` its `:authority`:
+        // such a configuration runs on an HTTP/1.1 cluster, and keeps doing so.
+        api = Api::Json;
+        notices.push(format!(
+            "{f}.authority without {f}.api: the JSON gateway, as before 0.2.0; add \"api\": \"json\" to keep it, \
+             or remove authority and give etcd an HTTP/2 cluster for its gRPC API (the default)"
+        ));
     }
     if authority.is_some() && (api == Api::Grpc || clusters.len() > 1) {
         let why = "only with api \"json\" and one cluster (gRPC calls carry the cluster's name)";
@@ -726,7 +791,8 @@ fn namespace(f: &str, v: &Value) -> Result<String, ConfigError> {
     Ok(s.to_string())
 }
 
-fn store(f: &str, v: &Value) -> Result<StoreConfig, ConfigError> {
+/// `notices`: where an old form's new meaning is told (see [`Config::notices`]).
+fn store(f: &str, v: &Value, notices: &mut Vec<String>) -> Result<StoreConfig, ConfigError> {
     let Value::Object(map) = v else {
         return Err(err(f, format!("expected an object like {{\"kind\":\"shared_data\"}}, got {v}")));
     };
@@ -742,7 +808,7 @@ fn store(f: &str, v: &Value) -> Result<StoreConfig, ConfigError> {
             }
             Ok(StoreConfig::SharedData)
         }
-        "etcd" => etcd(f, map),
+        "etcd" => etcd(f, map, notices),
         other => Err(err(&kind_field, format!("expected \"shared_data\" or \"etcd\", got {other:?}"))),
     }
 }
@@ -816,12 +882,8 @@ mod tests {
             (r#"{"store":{"kind":"etcd","clusters":["a","a"]}}"#, "store.clusters"),
             (r#"{"store":{"kind":"etcd","clusters":["a",""]}}"#, "store.clusters"),
             (r#"{"store":{"kind":"etcd","cluster":"a","clusters":["b"]}}"#, "store.clusters"),
-            (r#"{"store":{"kind":"etcd","cluster":"a","authority":"x"}}"#, "store.authority"),
-            (r#"{"lease_ms":2000,"store":{"kind":"etcd","cluster":"etcd"}}"#, "lease_ms"),
-            (
-                r#"{"store":{"kind":"etcd","cluster":"etcd"},"routes":[{"match":{"prefix":"/"},"lease_ms":1000}]}"#,
-                "routes[0].lease_ms",
-            ),
+            (r#"{"store":{"kind":"etcd","cluster":"a","api":"grpc","authority":"x"}}"#, "store.authority"),
+            (r#"{"store":{"kind":"etcd","clusters":["a","b"],"authority":"x"}}"#, "store.authority"),
             (r#"{"namespace":"a/b"}"#, "namespace"),
             (r#"{"capacity":0}"#, "capacity"),
             (r#"{"key_header":""}"#, "key_header"),
@@ -910,27 +972,102 @@ mod tests {
     #[test]
     fn values_that_could_lock_a_key_or_break_a_bound_are_refused() {
         let cases = [
-            // No upstream timeout: a stalled upstream would hold its key for ever.
-            (r#"{"upstream_timeout_ms":0}"#, "upstream_timeout_ms"),
-            // An etcd call as long as the lease: a renewal that times out loses the mark.
-            (r#"{"lease_ms":3000,"store":{"kind":"etcd","cluster":"e","timeout_ms":1500}}"#, "store.timeout_ms"),
-            (
-                r#"{"store":{"kind":"etcd","cluster":"e","timeout_ms":2000},"routes":[{"match":{"prefix":"/"},"lease_ms":5000}]}"#,
-                "store.timeout_ms",
-            ),
-            // A response that could never fit its bucket's share of the byte budget.
-            (r#"{"max_response_bytes":200000}"#, "max_response_bytes"),
+            // A response that could never fit its bucket's share of the byte budget given.
+            (r#"{"max_store_bytes":134217728,"max_response_bytes":200000}"#, "max_response_bytes"),
             (r#"{"capacity":64,"max_store_bytes":1000,"max_response_bytes":1001}"#, "max_response_bytes"),
-            (r#"{"routes":[{"match":{"prefix":"/"},"max_response_bytes":1048576}]}"#, "routes[0].max_response_bytes"),
-            (r#"{"store":{"kind":"etcd","cluster":"e"},"max_response_bytes":2000000}"#, "max_response_bytes"),
+            (
+                r#"{"max_store_bytes":134217728,"routes":[{"match":{"prefix":"/"},"max_response_bytes":1048576}]}"#,
+                "routes[0].max_response_bytes",
+            ),
             (r#"{"missing_scope":"allow"}"#, "missing_scope"),
         ];
         for (json, field) in cases {
             let e = parse(json).unwrap_err();
             assert_eq!(e.field, field, "{json}: {e}");
         }
-        let e = parse(r#"{"max_response_bytes":200000}"#).unwrap_err();
+        let e = parse(r#"{"max_store_bytes":134217728,"max_response_bytes":200000}"#).unwrap_err();
         assert!(e.reason.contains("max_store_bytes") && e.reason.contains("capacity"), "{e}");
+    }
+
+    /// Every configuration the project shipped or documented (`tests/config_corpus/`, see its
+    /// INDEX.md) loads, except those written to be refused (`REFUSED`: each with the field its
+    /// refusal names).
+    #[test]
+    fn every_configuration_of_the_corpus_loads() {
+        // Under the WASI runner the repository is the current directory.
+        let root = if cfg!(target_family = "wasm") { "." } else { env!("CARGO_MANIFEST_DIR") };
+        let dir = std::path::Path::new(root).join("tests/config_corpus");
+        let refused = std::fs::read_to_string(dir.join("REFUSED")).unwrap();
+        let refused: Vec<(&str, &str)> = refused
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .filter_map(|l| l.split_once(' '))
+            .collect();
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+            .collect();
+        files.sort();
+        assert!(files.len() >= 45, "{} configurations", files.len());
+        let mut failures = Vec::new();
+        for path in &files {
+            let name = path.file_name().unwrap().to_str().unwrap();
+            let parsed = Config::parse(&std::fs::read(path).unwrap());
+            match (refused.iter().find(|(f, _)| *f == name), parsed) {
+                (None, Ok(_)) => {}
+                (None, Err(e)) => failures.push(format!("{name}: {e}")),
+                (Some((_, field)), Err(e)) if e.field == *field => {}
+                (Some((_, field)), other) => {
+                    failures.push(format!("{name}: expected a refusal of {field}, got {other:?}"))
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// Two configurations an earlier release documented, which 0.1.0 refused (issue: Envoy
+    /// with FAIL_CLOSED then exits at startup): they load, with what they now mean told once.
+    #[test]
+    fn earlier_releases_configurations_load_with_a_notice() {
+        let c = parse(r#"{"capacity":20000,"max_response_bytes":1048576}"#).unwrap();
+        // 313 buckets, each with room for one answer of 1 MiB.
+        assert_eq!(c.max_store_bytes, 313 << 20);
+        assert_eq!(c.policy.max_response_bytes, 1 << 20);
+        assert!(c.notices.len() == 1 && c.notices[0].contains("derived 328204288"), "{:?}", c.notices);
+        let c = parse(r#"{"routes":[{"match":{"prefix":"/"},"max_response_bytes":1048576}]}"#).unwrap();
+        assert_eq!(c.max_store_bytes, 1024 << 20);
+        // What the default budget already holds derives nothing.
+        assert!(parse(r#"{"max_response_bytes":100000}"#).unwrap().notices.is_empty());
+        let first_fleet = r#"{"store":{"kind":"etcd","cluster":"etcd","authority":"127.0.0.1:2379",
+            "timeout_ms":500,"on_unavailable":"reject"}}"#;
+        let c = parse(first_fleet).unwrap();
+        let StoreConfig::Etcd(e) = &c.store else { panic!("etcd") };
+        assert_eq!((e.api, e.authority.as_deref()), (Api::Json, Some("127.0.0.1:2379")));
+        assert!(c.notices.len() == 1 && c.notices[0].contains("\"api\": \"json\""), "{:?}", c.notices);
+        assert!(parse(r#"{"store":{"kind":"etcd","cluster":"e"}}"#).unwrap().notices.is_empty());
+        // Leases an earlier release took are raised to what holds now: 100 ms was the first
+        // minimum, 3 s with etcd came later, and three store timeouts later still.
+        for (json, at, lease) in [
+            (r#"{"forward":"router","lease_ms":500}"#, "lease_ms", 1_000),
+            (r#"{"lease_ms":2000,"store":{"kind":"etcd","cluster":"etcd"}}"#, "lease_ms", 3_000),
+            (r#"{"lease_ms":3000,"store":{"kind":"etcd","cluster":"e","timeout_ms":1500}}"#, "lease_ms", 4_500),
+            (
+                r#"{"store":{"kind":"etcd","cluster":"e","timeout_ms":2000},"routes":[{"match":{"prefix":"/"},"lease_ms":5000}]}"#,
+                "routes[0].lease_ms",
+                6_000,
+            ),
+        ] {
+            let c = parse(json).unwrap();
+            assert_eq!(c.policies().map(|p| p.lease_ms).min(), Some(lease), "{json}");
+            assert!(c.notices.len() == 1 && c.notices[0].starts_with(&format!("{at} ")), "{json}: {:?}", c.notices);
+        }
+        assert_eq!(parse(r#"{"lease_ms":99}"#).unwrap_err().field, "lease_ms", "below the first minimum");
+        // No timeout, and an answer larger than etcd takes: bounded, and said.
+        let c = parse(r#"{"upstream_timeout_ms":0}"#).unwrap();
+        assert_eq!((c.policy.upstream_timeout_ms, c.notices.len()), (MAX_MS, 1));
+        let c = parse(r#"{"store":{"kind":"etcd","cluster":"e"},"max_response_bytes":2000000}"#).unwrap();
+        assert_eq!((c.policy.max_response_bytes, c.notices.len()), (1 << 20, 1));
     }
 
     #[test]

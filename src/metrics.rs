@@ -91,10 +91,26 @@ pub enum Gauge {
     StoredBytes,
     /// How old the youngest entry evicted in the last minute was, in ms; 0 when none was.
     EffectiveRetention,
+    /// What the configuration gives or derives, set at configure: the shared-data table's byte
+    /// budget, its buckets, one bucket's share of the budget, and the base policy's
+    /// `max_response_bytes`.
+    ConfigStoreBytes,
+    ConfigBuckets,
+    ConfigBucketShareBytes,
+    ConfigMaxResponseBytes,
 }
 
 impl Gauge {
-    pub const ALL: [Gauge; 4] = [Gauge::InProgress, Gauge::Completed, Gauge::StoredBytes, Gauge::EffectiveRetention];
+    pub const ALL: [Gauge; 8] = [
+        Gauge::InProgress,
+        Gauge::Completed,
+        Gauge::StoredBytes,
+        Gauge::EffectiveRetention,
+        Gauge::ConfigStoreBytes,
+        Gauge::ConfigBuckets,
+        Gauge::ConfigBucketShareBytes,
+        Gauge::ConfigMaxResponseBytes,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -102,6 +118,10 @@ impl Gauge {
             Gauge::Completed => "idempotency.entries_completed",
             Gauge::StoredBytes => "idempotency.stored_bytes",
             Gauge::EffectiveRetention => "idempotency.effective_retention_ms",
+            Gauge::ConfigStoreBytes => "idempotency.config_max_store_bytes",
+            Gauge::ConfigBuckets => "idempotency.config_buckets",
+            Gauge::ConfigBucketShareBytes => "idempotency.config_bucket_share_bytes",
+            Gauge::ConfigMaxResponseBytes => "idempotency.config_max_response_bytes",
         }
     }
 }

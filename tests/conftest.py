@@ -27,6 +27,15 @@ def wasm():
     return path
 
 
+@pytest.fixture(scope="session")
+def previous_wasm():
+    """The previous release's plugin (compat/previous-release), built by `make previous`."""
+    path = os.path.join(os.path.dirname(wasm_path()), "idempotency-previous.wasm")
+    if not os.path.isfile(path):
+        pytest.fail(f"previous release not found at {path}: run make previous", pytrace=False)
+    return path
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keeps each phase's report on the item, so fixtures can tell a failed test at teardown."""

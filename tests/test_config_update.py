@@ -19,10 +19,11 @@ def ecds_filter(path):
         "type_urls": ["type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"]}}
 
 
-def write_ecds(path, plugin_config):
-    """Replaces the ECDS file at once (a rename: Envoy watches for moves into place)."""
+def write_ecds(path, plugin_config, wasm=None):
+    """Replaces the ECDS file at once (a rename: Envoy watches for moves into place);
+    `wasm`: the plugin's file (this build's by default)."""
     resource = {"@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
-                "name": NAME, "typed_config": wasm_filter(plugin_config)["typed_config"]}
+                "name": NAME, "typed_config": wasm_filter(plugin_config, wasm=wasm)["typed_config"]}
     with open(path + ".new", "w") as f:
         json.dump({"resources": [resource]}, f)
     os.replace(path + ".new", path)

@@ -8,6 +8,7 @@ use std::hash::{BuildHasher, Hasher};
 use super::hostcalls::{self, SharedData};
 use super::vm::{AnyLifecycle, Vm};
 use crate::config::{Config, Forward, StoreConfig};
+use crate::table::SharedKv;
 
 /// A random number from the host's randomness (WASI).
 fn random() -> u64 {
@@ -16,7 +17,9 @@ fn random() -> u64 {
 
 /// The VM of a root context, or why not (logged: Envoy then refuses the configuration).
 pub fn configure(root_id: u32) -> Result<Vm, String> {
-    let config = Config::parse(&hostcalls::plugin_configuration()).map_err(|e| e.to_string())?;
+    let bytes = hostcalls::plugin_configuration();
+    let config = Config::parse(&bytes).map_err(|e| e.to_string())?;
+    tell(&config, &bytes);
     let lifecycle = lifecycle(config)?;
     let needs_queue = lifecycle.config().policies().any(|p| p.forward == Forward::Detached)
         || matches!(lifecycle.config().store, StoreConfig::Etcd(_));
@@ -31,6 +34,27 @@ pub fn configure(root_id: u32) -> Result<Vm, String> {
         vm.set_queue(hostcalls::register_queue(&name).ok_or_else(|| format!("cannot register shared queue {name}"))?);
     }
     Ok(vm)
+}
+
+/// The release, what the configuration derived (as gauges too), and what its old forms now
+/// mean: logged by the first VM of the process that loads this configuration, not by each.
+fn tell(config: &Config, bytes: &[u8]) {
+    for (gauge, value) in config.derived() {
+        if let Some(id) = hostcalls::define_gauge(gauge.name()) {
+            hostcalls::set_metric(id, value);
+        }
+    }
+    let digest = crate::digest::plain(bytes);
+    let told: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let told = format!("{}:told:{}:{told}", config.namespace, env!("CARGO_PKG_VERSION"));
+    if SharedData.get(&told).is_ok_and(|(v, _)| v.is_some()) || SharedData.set(&told, b"1", None).is_err() {
+        return;
+    }
+    let figures: Vec<String> = config.derived().iter().map(|(g, v)| format!("{}={v}", g.name())).collect();
+    log::info!("idempotency {}: configured; {}", env!("CARGO_PKG_VERSION"), figures.join(" "));
+    for notice in &config.notices {
+        log::warn!("idempotency: {notice}");
+    }
 }
 
 fn lifecycle(config: Config) -> Result<AnyLifecycle, String> {
