@@ -49,6 +49,7 @@ pub fn lifecycle<K: SharedKv + Clone + 'static>(
                 authority: cfg.authority.clone().unwrap_or_else(|| cluster.clone()),
                 api: cfg.api,
                 timeout_ms: cfg.timeout_ms,
+                api_fallback: cfg.api_fallback,
             };
             let replays = match cfg.local_replays {
                 true => Some(local_replays(&config, kv, random)?),

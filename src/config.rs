@@ -73,6 +73,10 @@ pub struct EtcdConfig {
     pub authority: Option<String>,
     /// gRPC (the default: the cluster speaks HTTP/2) or the JSON gateway (HTTP/1.1).
     pub api: Api,
+    /// `api` not given: gRPC, and the JSON gateway if the cluster turns out to be HTTP/1.1
+    /// (etcd then answers gRPC calls UNIMPLEMENTED), as configurations of the releases before
+    /// the gRPC API ran.
+    pub api_fallback: bool,
     pub timeout_ms: u64,
     pub on_unavailable: OnUnavailable,
     /// Each Envoy keeps copies of the completed entries it has seen, in its shared data
@@ -659,7 +663,16 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>, notices: &mut Vec<String>
         let why = "only with api \"json\" and one cluster (gRPC calls carry the cluster's name)";
         return Err(err(&format!("{f}.authority"), why));
     }
-    Ok(StoreConfig::Etcd(EtcdConfig { clusters, authority, api, timeout_ms, on_unavailable, local_replays }))
+    let api_fallback = !map.contains_key("api") && api == Api::Grpc;
+    Ok(StoreConfig::Etcd(EtcdConfig {
+        clusters,
+        authority,
+        api,
+        api_fallback,
+        timeout_ms,
+        on_unavailable,
+        local_replays,
+    }))
 }
 
 /// `clusters`: 1 to `MAX_ETCD_CLUSTERS` distinct, non-empty names.
@@ -956,6 +969,7 @@ mod tests {
                 clusters: vec!["etcd_cluster".into()],
                 authority: None,
                 api: Api::Grpc,
+                api_fallback: true,
                 timeout_ms: 1000,
                 on_unavailable: OnUnavailable::Pass,
                 local_replays: true,

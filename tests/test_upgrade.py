@@ -77,6 +77,28 @@ def test_the_first_documented_fleet_store_runs_on_its_http1_cluster(wasm, upstre
         etcd.close()
 
 
+def test_a_fleet_store_without_api_on_an_http1_cluster_turns_to_the_json_gateway(wasm, upstream):
+    """Before the gRPC API, a fleet store named no api and ran on an HTTP/1.1 cluster (corpus
+    008, envoy/envoy-fleet.yaml then). etcd answers gRPC there UNIMPLEMENTED: the store turns
+    to the JSON gateway rather than answering 503 for ever."""
+    etcd = Etcd()
+    config = {"lease_ms": 3000, "store": {"kind": "etcd", "cluster": "etcd", "timeout_ms": 1000}}
+    try:
+        envoy = Envoy(config, upstream.port, extra_clusters=[etcd_cluster(etcd.port, api="json")])
+        try:
+            envoy.wait_log(r"answers gRPC calls UNIMPLEMENTED \(an HTTP/1.1 cluster\): using the JSON gateway",
+                           timeout=10)
+            # Each worker turns on its own first answer; give both a moment, then serve.
+            wait_until(lambda: post(envoy, new_key("probe")).status == 201, timeout=10,
+                       message="a claim through the JSON gateway")
+            claim_conflict_replay(envoy, upstream, "h1fleet")
+            assert etcd.count_keys("/idem/") >= 1
+        finally:
+            envoy.stop()
+    finally:
+        etcd.close()
+
+
 @pytest.mark.parametrize("config, field", [
     ({"capacity": 64, "max_store_bytes": 1000, "max_response_bytes": 1001}, "max_response_bytes"),
     ({"store": {"kind": "etcd", "cluster": "etcd", "api": "grpc", "authority": "x"}}, "store.authority"),

@@ -12,7 +12,13 @@ use crate::store::CallAnswer;
 
 pub(super) fn replica(config: &str, seed: u64) -> Lifecycle<EtcdStore> {
     let config = Config::parse(config.as_bytes()).unwrap();
-    let link = Link { cluster: "etcd".into(), authority: "etcd".into(), api: Api::Grpc, timeout_ms: 1_000 };
+    let link = Link {
+        cluster: "etcd".into(),
+        authority: "etcd".into(),
+        api: Api::Grpc,
+        timeout_ms: 1_000,
+        api_fallback: false,
+    };
     let max_lease = config.policies().map(|p| p.lease_ms).max().unwrap();
     let retentions = config.policies().map(|p| p.retention_s).collect();
     let store = EtcdStore::new(link, &config.namespace, max_lease, retentions, seed);

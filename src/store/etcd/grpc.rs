@@ -210,7 +210,7 @@ pub fn status_answer(status: u32, message: &str) -> CallAnswer {
     CallAnswer::grpc(status, message.as_bytes(), Vec::new())
 }
 
-fn grpc_status(answer: &CallAnswer) -> Option<i64> {
+pub fn grpc_status(answer: &CallAnswer) -> Option<i64> {
     let value = answer.headers.iter().find(|(n, _)| n == "grpc-status").map(|(_, v)| v.as_slice())?;
     std::str::from_utf8(value).ok()?.parse().ok()
 }

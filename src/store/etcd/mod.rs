@@ -127,6 +127,9 @@ pub struct Link {
     pub authority: String,
     pub api: Api,
     pub timeout_ms: u64,
+    /// The JSON gateway once etcd answers a gRPC call UNIMPLEMENTED (an HTTP/1.1 cluster):
+    /// see `EtcdConfig::api_fallback`.
+    pub api_fallback: bool,
 }
 
 /// The lease this VM's marks ride. It is never kept alive: a new one is granted every
@@ -494,6 +497,16 @@ impl Store for EtcdStore {
 
     fn on_call_answer(&mut self, call: u64, answer: &CallAnswer, now_ms: u64) {
         let Some(op) = self.inflight.remove(&call) else { return };
+        if self.link.api_fallback && self.link.api == Api::Grpc && grpc::grpc_status(answer) == Some(12) {
+            // An HTTP/1.1 cluster, as the releases before the gRPC API used: their API then.
+            log::warn!(
+                "etcd: cluster {:?} answers gRPC calls UNIMPLEMENTED (an HTTP/1.1 cluster): using the JSON \
+                 gateway, as releases before 0.1.0 did; set store.api to \"json\", or make the cluster HTTP/2",
+                self.link.cluster
+            );
+            self.link.api = Api::Json;
+            self.link.api_fallback = false;
+        }
         self.note_health(call, self.link.api.is_unreachable(answer), now_ms);
         self.on_answer(op, answer, now_ms);
         self.pump(now_ms);
