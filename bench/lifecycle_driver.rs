@@ -7,7 +7,7 @@
 //!
 //!   cp bench/lifecycle_driver.rs examples/
 //!   CARGO_PROFILE_RELEASE_DEBUG=true CARGO_PROFILE_RELEASE_STRIP=none \
-//!     cargo build --release --example lifecycle_driver --features sha2/force-soft
+//!     cargo build --release --example lifecycle_driver --features sha2/force-soft,test-host
 //!   valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*op_*' \
 //!     --callgrind-out-file=/tmp/first.out target/release/examples/lifecycle_driver first 5000
 //!   callgrind_annotate --inclusive=yes /tmp/first.out | head -60
@@ -19,90 +19,53 @@
 use std::hint::black_box;
 
 use idempotency::config::Config;
-use idempotency::host::{HeaderMap, Headers, Host};
+use idempotency::host::Headers;
 use idempotency::lifecycle::{Effect, Lifecycle};
 use idempotency::store::shared::SharedStore;
 use idempotency::table::memory::MemoryKv;
 use idempotency::table::{Layout, Table};
+use idempotency::test_host::TestHost;
 
 type Core = Lifecycle<SharedStore<&'static MemoryKv>>;
-
-/// The request `make bench` sends, and the upstream's answer to the root's call.
-struct Request {
-    headers: Headers,
-    now: u64,
-}
 
 const BODY: &[u8] = br#"{"amount":10}"#;
 const ANSWER: &[u8] = br#"{"charged":10}"#;
 
-impl Host for Request {
-    fn now_ms(&self) -> u64 {
-        self.now
-    }
-    fn request_header(&self, name: &str) -> Option<Vec<u8>> {
-        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
-    }
-    fn request_headers(&self) -> HeaderMap {
-        HeaderMap::from_pairs(&self.headers)
-    }
-    fn request_body(&self, size: usize) -> Vec<u8> {
-        BODY.iter().take(size).copied().collect()
-    }
-    fn response_trailers(&self) -> Headers {
-        Vec::new()
-    }
-    fn call_trailers(&self) -> Headers {
-        Vec::new()
-    }
-    fn response_headers(&self) -> Headers {
-        // As Envoy's router passes the upstream's answer on (mode "router").
-        [
+fn pairs(pairs: &[(&str, &str)]) -> Headers {
+    pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+}
+
+/// The request `make bench` sends, the router's answer (mode "router") and the upstream's
+/// answer to the root's call (detached): the lifecycle tests' host (`src/test_host.rs`).
+fn request(key: &str, now: u64) -> TestHost {
+    TestHost {
+        now,
+        request: pairs(&[
+            (":method", "POST"),
+            (":path", "/payments"),
+            (":authority", "bench"),
+            (":scheme", "http"),
+            ("authorization", "Bearer bench"),
+            ("user-agent", "wrk"),
+            ("x-request-id", "5f0c6a4e-0d7b-4c9e-9a53-2f8d1e6b7c10"),
+            ("content-type", "application/json"),
+            ("content-length", "13"),
+            ("idempotency-key", key),
+        ]),
+        body: BODY.to_vec(),
+        response: pairs(&[
             (":status", "201"),
             ("content-type", "application/json"),
             ("content-length", "14"),
             ("date", "Tue, 01 Dec 2026 22:00:00 GMT"),
             ("server", "envoy"),
             ("x-envoy-upstream-service-time", "0"),
-        ]
-        .iter()
-        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
-        .collect()
+        ]),
+        response_body: ANSWER.to_vec(),
+        call_headers: pairs(&[(":status", "201"), ("content-type", "application/json")]),
+        call_body: ANSWER.to_vec(),
+        ..TestHost::default()
     }
-    fn response_body(&self, size: usize) -> Vec<u8> {
-        ANSWER.iter().take(size).copied().collect()
-    }
-    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        (path == ["xds", "cluster_name"]).then(|| b"upstream".to_vec())
-    }
-    fn call_headers(&self) -> Headers {
-        vec![(":status".into(), b"201".to_vec()), ("content-type".into(), b"application/json".to_vec())]
-    }
-    fn call_body(&self, size: usize) -> Vec<u8> {
-        ANSWER.iter().take(size).copied().collect()
-    }
-    fn grpc_message(&self, _size: usize) -> Vec<u8> {
-        Vec::new()
-    }
-    fn grpc_status_text(&self) -> Vec<u8> {
-        Vec::new()
-    }
-}
-
-fn request(key: &str, now: u64) -> Request {
-    let pairs = [
-        (":method", "POST"),
-        (":path", "/payments"),
-        (":authority", "bench"),
-        (":scheme", "http"),
-        ("authorization", "Bearer bench"),
-        ("user-agent", "wrk"),
-        ("x-request-id", "5f0c6a4e-0d7b-4c9e-9a53-2f8d1e6b7c10"),
-        ("content-type", "application/json"),
-        ("content-length", "13"),
-        ("idempotency-key", key),
-    ];
-    Request { headers: pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect(), now }
 }
 
 fn core(router: bool) -> Core {
@@ -119,7 +82,7 @@ fn core(router: bool) -> Core {
 /// One request, to its end; the root's call (detached forwarding) answered at once, or the
 /// router's answer passed through.
 #[inline(never)]
-fn op_request(core: &mut Core, id: u32, host: &Request) -> usize {
+fn op_request(core: &mut Core, id: u32, host: &TestHost) -> usize {
     core.on_request_headers(host, id, false);
     core.on_request_body(host, id, BODY.len(), true);
     let mut effects = core.take_effects();

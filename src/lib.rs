@@ -31,6 +31,8 @@ pub mod table;
 #[cfg(not(target_family = "wasm"))]
 mod sim;
 #[cfg(test)]
+pub mod test_driver;
+#[cfg(any(test, feature = "test-host"))]
 pub mod test_host;
 
 #[cfg(all(target_arch = "wasm32", not(test), feature = "plugin"))]

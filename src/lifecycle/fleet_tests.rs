@@ -1,14 +1,15 @@
 //! The lifecycle over the etcd store, two replicas on one in-memory etcd: what a fleet
 //! promises that one Envoy does not have to (read your writes across replicas).
 
-use super::tests::{at, count, dispatched, post, replies, send, status_of, upstream_answer, FakeHost};
+use super::tests::{post, status_of, upstream_answer};
 use super::*;
 use crate::config::Config;
 use crate::metrics::Counter;
 use crate::store::etcd::model::Model;
 use crate::store::etcd::protocol::Api;
 use crate::store::etcd::{EtcdStore, Link};
-use crate::store::CallAnswer;
+pub(super) use crate::test_driver::settle;
+use crate::test_driver::{at, count, deliver_store_answer as deliver, dispatched, replies, send};
 
 pub(super) fn replica(config: &str, seed: u64) -> Lifecycle<EtcdStore> {
     let config = Config::parse(config.as_bytes()).unwrap();
@@ -27,42 +28,6 @@ pub(super) fn replica(config: &str, seed: u64) -> Lifecycle<EtcdStore> {
 
 const ETCD: &str = r#"{"store":{"kind":"etcd","cluster":"etcd"}}"#;
 const ETCD_ROUTER: &str = r#"{"forward":"router","store":{"kind":"etcd","cluster":"etcd"}}"#;
-
-/// Delivers an etcd answer to the lifecycle as the adapter does.
-fn deliver(l: &mut Lifecycle<EtcdStore>, call: CallId, answer: &CallAnswer, now: u64) {
-    let status = answer.headers.iter().find(|(n, _)| n == "grpc-status");
-    let status: u32 = status.and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok()).unwrap_or(14);
-    let text = answer.headers.iter().find(|(n, _)| n == "grpc-message").map(|(_, v)| v.clone()).unwrap_or_default();
-    let host = FakeHost { call_body: answer.body.clone(), grpc_text: text, ..FakeHost::default() };
-    l.on_grpc_call_answer(&host, call, status, answer.body.len(), now);
-}
-
-/// Runs the root's events: every etcd call the lifecycle asks for is answered by `m`, until
-/// none is left; the other effects, in order.
-pub(super) fn settle(l: &mut Lifecycle<EtcdStore>, m: &mut Model, mut effects: Vec<Effect>, now: u64) -> Vec<Effect> {
-    let mut out = Vec::new();
-    loop {
-        if effects.contains(&Effect::WakeRoot) {
-            l.on_wake(now);
-        }
-        let mut answered = false;
-        for effect in std::mem::take(&mut effects) {
-            match effect {
-                Effect::Dispatch { call: call @ CallId::Store(_), request } => {
-                    let answer = m.handle(&request, now);
-                    deliver(l, call, &answer, now);
-                    answered = true;
-                }
-                Effect::WakeRoot => {}
-                other => out.push(other),
-            }
-        }
-        effects = l.take_effects();
-        if !answered && effects.is_empty() {
-            return out;
-        }
-    }
-}
 
 /// Read your writes: with etcd, a detached answer reaches its client only once etcd has its
 /// completion; a retry sent after that, to the other replica, is replayed.

@@ -1,5 +1,6 @@
-//! The lifecycle natively: a fake host, the shared-data store over an in-memory map with
-//! Envoy's semantics, a fake clock, and many requests interleaved.
+//! The lifecycle natively, driven by the simulator's driver (`crate::test_driver`): the test
+//! host, the shared-data store over an in-memory map with Envoy's semantics, a fake clock, and
+//! many requests interleaved.
 
 use std::rc::Rc;
 
@@ -10,6 +11,8 @@ use crate::store::shared::SharedStore;
 use crate::table::memory::MemoryKv;
 use crate::table::{Layout, Table};
 
+use crate::test_driver::answer_detached;
+pub(super) use crate::test_driver::{at, count, dispatched, replies, send};
 pub(super) use crate::test_host::TestHost as FakeHost;
 
 pub(super) type Headers = Vec<(String, Vec<u8>)>;
@@ -39,56 +42,6 @@ pub(super) fn lifecycle(config: &str) -> Lifecycle<Shared> {
     table.create().unwrap();
     let tick = Lifecycle::<Shared>::tick_ms_for(&config);
     Lifecycle::new(config, SharedStore::new(table, tick, 0))
-}
-
-/// A whole request on stream `id`: headers, then the body.
-pub(super) fn send<S: Store>(l: &mut Lifecycle<S>, id: u32, host: &FakeHost, now: u64) -> (Flow, Vec<Effect>) {
-    let host = &at(host, now);
-    assert_eq!(l.on_request_headers(host, id, false), Flow::Pause);
-    let flow = l.on_request_body(host, id, host.body.len(), true);
-    (flow, l.take_effects())
-}
-
-/// `host` at time `now`.
-pub(super) fn at(host: &FakeHost, now: u64) -> FakeHost {
-    FakeHost { now, ..host.clone() }
-}
-
-pub(super) fn dispatched(effects: &[Effect]) -> Vec<(CallId, CallRequest)> {
-    effects
-        .iter()
-        .filter_map(|e| match e {
-            Effect::Dispatch { call, request } => Some((*call, request.clone())),
-            _ => None,
-        })
-        .collect()
-}
-
-pub(super) fn replies(effects: &[Effect]) -> Vec<(u32, Reply)> {
-    effects
-        .iter()
-        .filter_map(|e| match e {
-            Effect::Reply { stream, reply } => Some((*stream, reply.clone())),
-            _ => None,
-        })
-        .collect()
-}
-
-pub(super) fn count(effects: &[Effect], counter: Counter) -> u32 {
-    effects
-        .iter()
-        .map(|e| {
-            if let Effect::Count { counter: c, n } = e {
-                if *c == counter {
-                    *n
-                } else {
-                    0
-                }
-            } else {
-                0
-            }
-        })
-        .sum()
 }
 
 /// The router's answer to a first call (forward "router"): 201, text/plain, `body`.
@@ -131,16 +84,6 @@ pub(super) fn body_of(reply: &Reply) -> Vec<u8> {
 
 pub(super) fn is_replay(reply: &Reply) -> bool {
     matches!(reply, Reply::Stored { replayed: true, .. })
-}
-
-/// Sends the detached call the root has queued and answers it; the effects of the answer.
-fn answer_detached<S: Store>(l: &mut Lifecycle<S>, answer: &FakeHost, now: u64) -> Vec<Effect> {
-    l.on_wake(now);
-    let calls = dispatched(&l.take_effects());
-    assert_eq!(calls.len(), 1, "one detached call");
-    let (call, _) = calls[0].clone();
-    l.on_call_answer(answer, call, !answer.call_headers.is_empty(), answer.call_body.len(), now);
-    l.take_effects()
 }
 
 #[test]

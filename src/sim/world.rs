@@ -771,17 +771,10 @@ impl World {
         if self.root_gone(vm, "an etcd answer") {
             return;
         }
-        let header = |name: &str| answer.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
-        let status = header("grpc-status").and_then(|v| String::from_utf8(v).ok()?.parse().ok()).unwrap_or(14);
-        self.log(|| format!("vm {vm} etcd call {call} answered: grpc-status {status}"));
-        let host = SimHost {
-            now: self.clock(vm),
-            call_body: answer.body.clone(),
-            grpc_text: header("grpc-message").unwrap_or_default(),
-            ..SimHost::default()
-        };
+        let status = crate::store::etcd::grpc::grpc_status(&answer);
+        self.log(|| format!("vm {vm} etcd call {call} answered: grpc-status {status:?}"));
         let now = self.clock(vm);
-        self.vms[vm].lifecycle.on_grpc_call_answer(&host, CallId::Store(call), status, answer.body.len(), now);
+        crate::test_driver::deliver_store_answer(&mut self.vms[vm].lifecycle, CallId::Store(call), &answer, now);
         self.carry_out(vm);
         self.end_if_drained(vm);
     }
