@@ -8,8 +8,12 @@ set -euo pipefail
 commit=$1
 out=$2
 root=$(git rev-parse --show-toplevel)
+if ! git cat-file -e "$commit^{commit}" 2>/dev/null && [ "$(git rev-parse --is-shallow-repository)" = true ]; then
+  # A shallow clone (CI's, say): fetch the history the previous release is in.
+  git fetch --quiet --unshallow || true
+fi
 if ! git cat-file -e "$commit^{commit}" 2>/dev/null; then
-  echo "build_release: commit $commit is not in this clone (a shallow clone? run: git fetch --unshallow)" >&2
+  echo "build_release: commit $commit is not in this clone, and fetching the history did not bring it" >&2
   exit 1
 fi
 tree=$root/target/release-src-$commit
