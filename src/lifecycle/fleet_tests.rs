@@ -6,20 +6,13 @@ use super::*;
 use crate::config::Config;
 use crate::metrics::Counter;
 use crate::store::etcd::model::Model;
-use crate::store::etcd::protocol::Api;
 use crate::store::etcd::{EtcdStore, Link};
 pub(super) use crate::test_driver::settle;
 use crate::test_driver::{at, count, deliver_store_answer as deliver, dispatched, replies, send};
 
 pub(super) fn replica(config: &str, seed: u64) -> Lifecycle<EtcdStore> {
     let config = Config::parse(config.as_bytes()).unwrap();
-    let link = Link {
-        cluster: "etcd".into(),
-        authority: "etcd".into(),
-        api: Api::Grpc,
-        timeout_ms: 1_000,
-        api_fallback: false,
-    };
+    let link = Link::grpc("etcd", 1_000);
     let max_lease = config.policies().map(|p| p.lease_ms).max().unwrap();
     let retentions = config.policies().map(|p| p.retention_s).collect();
     let store = EtcdStore::new(link, &config.namespace, max_lease, retentions, seed);

@@ -132,6 +132,14 @@ pub struct Link {
     pub api_fallback: bool,
 }
 
+#[cfg(test)]
+impl Link {
+    /// The gRPC API on cluster `name` (its authority too), without the JSON fallback.
+    pub fn grpc(name: &str, timeout_ms: u64) -> Link {
+        Link { cluster: name.into(), authority: name.into(), api: Api::Grpc, timeout_ms, api_fallback: false }
+    }
+}
+
 /// The lease this VM's marks ride. It is never kept alive: a new one is granted every
 /// `lease_ttl/4`, and one is used only while it outlives any mark written with it by
 /// `max_lease_ms` (SPEC §3.8: a mark's own deadline decides; the lease only collects it).

@@ -5,7 +5,6 @@ use std::rc::Rc;
 
 use super::grpc::status_answer;
 use super::model::Model;
-use super::protocol::Api;
 use super::{EtcdStore, Link};
 use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
@@ -18,13 +17,7 @@ const LEASE: u64 = 10_000;
 const RETENTION: u64 = 60_000;
 
 fn store(seed: u64) -> EtcdStore {
-    let link = Link {
-        cluster: "etcd".into(),
-        authority: "etcd".into(),
-        api: Api::Grpc,
-        timeout_ms: 1_000,
-        api_fallback: false,
-    };
+    let link = Link::grpc("etcd", 1_000);
     EtcdStore::new(link, "t", LEASE, vec![RETENTION / 1000], seed)
 }
 
@@ -367,13 +360,7 @@ fn completed_entries_seen_before_replay_without_a_round_trip() {
 #[test]
 fn sharded_keys_live_on_one_cluster_each_and_survive_the_others_outage() {
     use super::shards::Shards;
-    let link = |c: &str| Link {
-        cluster: c.into(),
-        authority: c.into(),
-        api: Api::Grpc,
-        timeout_ms: 1_000,
-        api_fallback: false,
-    };
+    let link = |c: &str| Link::grpc(c, 1_000);
     let store = |c: &str, seed| EtcdStore::new(link(c), "t", LEASE, vec![RETENTION / 1000], seed);
     let mut s = Shards::new(vec![("etcd_a".into(), store("etcd_a", 1)), ("etcd_b".into(), store("etcd_b", 2))]);
     let mut models = [Model::new(), Model::new()];
@@ -440,13 +427,7 @@ fn an_owner_whose_mark_would_expire_within_the_backoff_gets_through() {
     let (outage_from, outage_to) = (2_700, 4_200);
     for seed in 1..=40u64 {
         for at_once in [true, false] {
-            let link = Link {
-                cluster: "etcd".into(),
-                authority: "etcd".into(),
-                api: Api::Grpc,
-                timeout_ms: 1_000,
-                api_fallback: false,
-            };
+            let link = Link::grpc("etcd", 1_000);
             let mut s = EtcdStore::new(link, "t", SHORT, vec![RETENTION / 1000], seed);
             let mut m = Model::new();
             let owner = claimed(&mut s, &mut m, "k", 0);
@@ -635,13 +616,7 @@ fn a_renewal_waiting_for_a_lease_gets_one_before_its_mark_expires() {
     const SHORT: u64 = 3_000;
     let outage_from = 1_500;
     for (seed, outage_to) in (1..=40u64).flat_map(|seed| (2_300..3_400).step_by(100).map(move |to| (seed, to))) {
-        let link = Link {
-            cluster: "etcd".into(),
-            authority: "etcd".into(),
-            api: Api::Grpc,
-            timeout_ms: 500,
-            api_fallback: false,
-        };
+        let link = Link::grpc("etcd", 500);
         let mut s = EtcdStore::new(link, "t", SHORT, vec![RETENTION / 1000], seed);
         let mut m = Model::new();
         s.tick(0);
@@ -672,13 +647,7 @@ fn a_renewal_waiting_for_a_lease_gets_one_before_its_mark_expires() {
 #[test]
 fn without_an_api_given_an_http1_cluster_gets_the_json_gateway() {
     for (fallback, json_after) in [(true, true), (false, false)] {
-        let link = Link {
-            cluster: "etcd".into(),
-            authority: "etcd".into(),
-            api: Api::Grpc,
-            timeout_ms: 1_000,
-            api_fallback: fallback,
-        };
+        let link = Link { api_fallback: fallback, ..Link::grpc("etcd", 1_000) };
         let mut s = EtcdStore::new(link, "t", LEASE, vec![RETENTION / 1000], 1);
         s.tick(0);
         while let Some((n, first)) = s.poll_call() {
