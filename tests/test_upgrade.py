@@ -86,11 +86,10 @@ def test_a_fleet_store_without_api_on_an_http1_cluster_turns_to_the_json_gateway
     try:
         envoy = Envoy(config, upstream.port, extra_clusters=[etcd_cluster(etcd.port, api="json")])
         try:
-            envoy.wait_log(r"answers gRPC calls UNIMPLEMENTED \(an HTTP/1.1 cluster\): using the JSON gateway",
-                           timeout=10)
-            # Each worker turns on its own first answer; give both a moment, then serve.
-            wait_until(lambda: post(envoy, new_key("probe")).status == 201, timeout=10,
-                       message="a claim through the JSON gateway")
+            # Each VM turns on its own first answer: the main thread's and the two workers'.
+            turned = "answers gRPC calls UNIMPLEMENTED (an HTTP/1.1 cluster): using the JSON gateway"
+            wait_until(lambda: envoy.log_text().count(turned) >= 3, timeout=10,
+                       message="every VM on the JSON gateway")
             claim_conflict_replay(envoy, upstream, "h1fleet")
             assert etcd.count_keys("/idem/") >= 1
         finally:

@@ -505,7 +505,8 @@ impl Store for EtcdStore {
 
     fn on_call_answer(&mut self, call: u64, answer: &CallAnswer, now_ms: u64) {
         let Some(op) = self.inflight.remove(&call) else { return };
-        if self.link.api_fallback && self.link.api == Api::Grpc && grpc::grpc_status(answer) == Some(12) {
+        let switch = self.link.api_fallback && self.link.api == Api::Grpc && grpc::grpc_status(answer) == Some(12);
+        if switch {
             // An HTTP/1.1 cluster, as the releases before the gRPC API used: their API then.
             log::warn!(
                 "etcd: cluster {:?} answers gRPC calls UNIMPLEMENTED (an HTTP/1.1 cluster): using the JSON \
@@ -517,6 +518,11 @@ impl Store for EtcdStore {
         }
         self.note_health(call, self.link.api.is_unreachable(answer), now_ms);
         self.on_answer(op, answer, now_ms);
+        if switch {
+            // The refusal was the API's, not etcd's: the next calls go at once.
+            self.background.succeed();
+            self.health.succeed();
+        }
         self.pump(now_ms);
     }
 
