@@ -193,14 +193,16 @@ impl Faults {
         paused || etcd || stepped
     }
 
-    /// Whether any etcd trouble, loss or pause touched `from..to`, or a clock stepped back
-    /// (a mark then lives longer by the step) before `to`.
+    /// Whether any etcd trouble, loss or pause touched `from..to`, or a clock stepped before
+    /// `to` so that a mark lives longer by the step: back, or in a fleet either way (a writer
+    /// stepped forward writes deadlines ahead of the other Envoys' clocks).
     pub fn any_between(&self, from: u64, to: u64) -> bool {
         let overlaps = |a: u64, b: u64| a < to && from < b;
+        let fleet = self.steps.len() > 1;
         self.lose_before > 0
             || self.lose_after > 0
             || self.etcd.iter().flatten().any(|w| overlaps(w.from, w.to))
             || self.pauses.iter().flatten().any(|(a, b)| overlaps(*a, *b))
-            || self.steps.iter().flatten().any(|(at, by)| *at < to && *by < 0)
+            || self.steps.iter().flatten().any(|(at, by)| *at < to && (*by < 0 || fleet))
     }
 }

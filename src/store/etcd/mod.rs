@@ -174,6 +174,10 @@ pub struct EtcdStore {
     /// then one request at a time probes (SPEC §3.8: a store that fails is never hammered).
     health: Backoff,
     probe: Option<u64>,
+    /// The owner whose ending etcd refused (out of space) and whose mark would expire within
+    /// its backoff, trying early: one at a time, as the health probe; when it lands, the
+    /// others go at once.
+    refusal_probe: Option<u64>,
     /// Lease grants and cleanups that etcd refused: retried after this; reset by one that
     /// succeeds, so that one outage does not slow every later retry.
     background: Backoff,
@@ -209,6 +213,7 @@ impl EtcdStore {
             cleanups: Vec::new(),
             health: Backoff::default(),
             probe: None,
+            refusal_probe: None,
             background: Backoff::default(),
             no_space_logged_ms: 0,
             next_call: 1,
@@ -272,20 +277,23 @@ impl EtcdStore {
     /// Keeps the VM lease and the retention leases ready, then sends claims, endings and
     /// cleanups.
     fn pump(&mut self, now: u64) {
-        // Owners first: while etcd fails, the one probe goes to a mark that would expire. An
-        // owner's own backoff is cut short likewise only after etcd did not answer: a refusal
-        // (out of space) is answered at once, and there is no single probe to bound it.
+        // Owners first: while etcd fails, the one probe goes to a mark that would expire. After
+        // a refusal (out of space, answered at once) one owner at a time whose mark would
+        // expire within its backoff tries early, as that probe does: sat out, the alarm may
+        // clear and the mark expire before the retry, and another replica runs the call again.
         let timeout_ms = self.link.timeout_ms;
-        let ready: Vec<u64> = self
-            .owners
-            .iter()
-            .filter(|(_, o)| {
-                let retry =
-                    o.retry.ready(now) || (o.unanswered && o.retry.ready_by(now, o.entry.deadline_ms, timeout_ms));
-                o.ending.is_some() && !o.busy && retry
-            })
-            .map(|(id, _)| *id)
-            .collect();
+        let mut refusal_probe = self.refusal_probe.filter(|id| self.owners.get(id).is_some_and(|o| o.busy));
+        let mut ready = Vec::new();
+        for (id, o) in self.owners.iter().filter(|(_, o)| o.ending.is_some() && !o.busy) {
+            let urgent = o.retry.ready_by(now, o.entry.deadline_ms, timeout_ms);
+            if o.retry.ready(now) || (o.unanswered && urgent) {
+                ready.push(*id);
+            } else if urgent && refusal_probe.is_none() {
+                refusal_probe = Some(*id);
+                ready.push(*id);
+            }
+        }
+        self.refusal_probe = refusal_probe;
         for id in ready {
             self.send_end(id, now);
         }

@@ -196,6 +196,10 @@ impl EtcdStore {
             }
             Ok(TxnResult { succeeded, .. }) => {
                 let Some(o) = self.owners.remove(&id) else { return };
+                // etcd takes writes again: the endings it refused go now, not after their backoff.
+                for other in self.owners.values_mut().filter(|o| !o.unanswered) {
+                    other.retry.succeed();
+                }
                 if let (true, Some(entry), Some(Ending::Complete { response, .. })) =
                     (succeeded, &o.completed, &o.ending)
                 {
