@@ -39,9 +39,10 @@ pub fn configure(root_id: u32) -> Result<Vm, String> {
 /// The release, what the configuration derived (as gauges too), and what its old forms now
 /// mean: logged by the first VM of the process that loads this configuration, not by each.
 fn tell(config: &Config, bytes: &[u8]) {
-    for (gauge, value) in config.derived() {
+    let derived = config.derived();
+    for (gauge, value) in &derived {
         if let Some(id) = hostcalls::define_gauge(gauge.name()) {
-            hostcalls::set_metric(id, value);
+            hostcalls::set_metric(id, *value);
         }
     }
     let digest = crate::digest::plain(bytes);
@@ -50,7 +51,7 @@ fn tell(config: &Config, bytes: &[u8]) {
     if SharedData.get(&told).is_ok_and(|(v, _)| v.is_some()) || SharedData.set(&told, b"1", None).is_err() {
         return;
     }
-    let figures: Vec<String> = config.derived().iter().map(|(g, v)| format!("{}={v}", g.name())).collect();
+    let figures: Vec<String> = derived.iter().map(|(g, v)| format!("{}={v}", g.name())).collect();
     log::info!("idempotency {}: configured; {}", env!("CARGO_PKG_VERSION"), figures.join(" "));
     for notice in &config.notices {
         log::warn!("idempotency: {notice}");
