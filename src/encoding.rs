@@ -4,6 +4,7 @@
 //! and decoded lazily, one entry at a time. Anything read back is checked: a corrupt or foreign
 //! value is an error (answered 503), never a panic.
 
+use crate::caller::{Caller, CALLER_BITS};
 use crate::fingerprint::Fingerprint;
 
 /// Entries per bucket. A claim decides on one bucket (one CAS on one shared-data key), so a
@@ -62,6 +63,10 @@ pub struct Entry {
     pub since_ms: u64,
     /// Bytes of its stored response (completed entries only), for the byte budget.
     pub bytes: u32,
+    /// Whose key it is, for fair share. Kept in the top 20 bits of the age field, which a
+    /// time in ms leaves unused until the year 2527: release 0.2.0 reads the same format, and
+    /// sees a tagged entry as the youngest (see `since_word`).
+    pub caller: Caller,
 }
 
 impl Entry {
@@ -73,6 +78,7 @@ impl Entry {
         deadline_ms: 0,
         since_ms: 0,
         bytes: 0,
+        caller: Caller::ANONYMOUS,
     };
 
     /// Whether the entry holds a live entry at `now` (an expired entry binds nothing).
@@ -93,6 +99,7 @@ pub struct Glance {
     pub state: State,
     pub deadline_ms: u64,
     pub since_ms: u64,
+    pub caller: Caller,
 }
 
 impl Glance {
@@ -140,7 +147,8 @@ impl Bucket {
         let raw = self.raw_entry(i)?;
         let state = raw.first().copied().and_then(State::from_byte).ok_or(Corrupt("entry: unknown state"))?;
         let u64_at = |at| crate::bytes::u64_at(raw, at);
-        Ok(Glance { state, deadline_ms: u64_at(DEADLINE_AT), since_ms: u64_at(SINCE_AT) })
+        let (since_ms, caller) = split_since_word(u64_at(SINCE_AT));
+        Ok(Glance { state, deadline_ms: u64_at(DEADLINE_AT), since_ms, caller })
     }
 
     /// Whether entry `i`'s key tag is `key` (`bytes::equal`: LLVM expands a 16-byte `==` into
@@ -188,7 +196,7 @@ fn entry_bytes(entry: &Entry) -> [u8; ENTRY_BYTES] {
         &entry.key,
         &entry.fingerprint.0,
         &entry.deadline_ms.to_le_bytes(),
-        &entry.since_ms.to_le_bytes(),
+        &since_word(entry.since_ms, entry.caller).to_le_bytes(),
         &entry.bytes.to_le_bytes(),
     ];
     let mut at = 0;
@@ -203,15 +211,23 @@ fn entry_bytes(entry: &Entry) -> [u8; ENTRY_BYTES] {
 
 fn parse_entry(raw: &[u8]) -> Result<Entry, Corrupt> {
     let mut r = Reader(raw);
-    Ok(Entry {
-        state: State::from_byte(r.u8()?).ok_or(Corrupt("entry: unknown state"))?,
-        gen: r.u64()?,
-        key: r.array()?,
-        fingerprint: Fingerprint(r.array()?),
-        deadline_ms: r.u64()?,
-        since_ms: r.u64()?,
-        bytes: r.u32()?,
-    })
+    let state = State::from_byte(r.u8()?).ok_or(Corrupt("entry: unknown state"))?;
+    let (gen, key, fingerprint, deadline_ms) = (r.u64()?, r.array()?, Fingerprint(r.array()?), r.u64()?);
+    let (since, caller) = split_since_word(r.u64()?);
+    Ok(Entry { state, gen, key, fingerprint, deadline_ms, since_ms: since, bytes: r.u32()?, caller })
+}
+
+/// Bits of the age field that hold the time (ms since 1970: enough until the year 2527).
+const SINCE_BITS: u32 = 64 - CALLER_BITS;
+
+/// The age field as stored: the time in its low 44 bits, the caller's tag above. An untagged
+/// entry (the anonymous caller) is written exactly as release 0.2.0 writes it.
+fn since_word(since_ms: u64, caller: Caller) -> u64 {
+    (since_ms & ((1 << SINCE_BITS) - 1)) | (caller.bits() << SINCE_BITS)
+}
+
+fn split_since_word(word: u64) -> (u64, Caller) {
+    (word & ((1 << SINCE_BITS) - 1), Caller::from_bits(word >> SINCE_BITS))
 }
 
 const ENTRY_MAGIC: [u8; 2] = [b'E', 2];
@@ -481,6 +497,7 @@ mod tests {
             deadline_ms: 1234,
             since_ms: 1000,
             bytes: 55,
+            caller: Caller::ANONYMOUS,
         }
     }
 
@@ -519,6 +536,7 @@ mod tests {
             deadline_ms: 1_800_000_000_123,
             since_ms: 1_799_999_990_123,
             bytes: 0,
+            caller: Caller::ANONYMOUS,
         };
         let hex: String = encode_entry(&e, None).iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(
@@ -540,6 +558,19 @@ mod tests {
         assert!(bucket.glance(ENTRIES).is_err() && bucket.entry(ENTRIES).is_err());
     }
 
+    /// Release 0.2.0 reads the same bucket format: an untagged entry is written byte for byte
+    /// as it wrote it, a tagged one differs only in the top 20 bits of its age field.
+    #[test]
+    fn a_callers_tag_rides_in_the_top_of_the_age_field() {
+        let plain = Entry { state: State::Completed, since_ms: 1_800_000_000_123, ..Entry::FREE };
+        let tagged = Entry { caller: Caller::from_bits(0xabcde), ..plain };
+        let (a, b) = (entry_bytes(&plain), entry_bytes(&tagged));
+        assert_eq!(crate::bytes::u64_at(&a, SINCE_AT), 1_800_000_000_123, "0.2.0's layout");
+        assert_eq!(crate::bytes::u64_at(&b, SINCE_AT), 1_800_000_000_123 | 0xabcde << 44);
+        assert_eq!(a.iter().zip(b.iter()).filter(|(x, y)| x != y).count(), 3, "only the top bytes differ");
+        assert_eq!(parse_entry(&b).unwrap(), tagged);
+    }
+
     #[test]
     fn a_glance_reads_what_the_whole_entry_holds() {
         let mut bucket = Bucket::empty();
@@ -552,17 +583,19 @@ mod tests {
                 key: [i as u8; 16],
                 fingerprint: Fingerprint([!(i as u8); 16]),
                 deadline_ms: u64::MAX - n,
-                since_ms: n << 40 | 3,
+                since_ms: n << 37 | 3,
                 bytes: u32::MAX - i as u32,
+                caller: Caller::from_bits(i as u64 * 4099),
             };
             bucket.set_entry(i, &entry);
         }
         for i in 0..ENTRIES {
             let (whole, glance) = (bucket.entry(i).unwrap(), bucket.glance(i).unwrap());
             assert_eq!(
-                (glance.state, glance.deadline_ms, glance.since_ms),
-                (whole.state, whole.deadline_ms, whole.since_ms)
+                (glance.state, glance.deadline_ms, glance.since_ms, glance.caller),
+                (whole.state, whole.deadline_ms, whole.since_ms, whole.caller)
             );
+            assert_eq!((whole.since_ms, whole.caller), ((i as u64) << 37 | 3, Caller::from_bits(i as u64 * 4099)));
             assert_eq!(glance.is_live(u64::MAX - 64), whole.is_live(u64::MAX - 64));
             assert!(bucket.key_is(i, &whole.key) && !bucket.key_is(i, &[i as u8 ^ 1; 16]));
             assert_eq!(bucket.find_key(&whole.key), Some(i));

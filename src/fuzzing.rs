@@ -30,7 +30,7 @@ pub fn key(data: &[u8]) {
 /// A store value: decode it as a bucket and as a response; plant it in a table and use it.
 pub fn entry(data: &[u8]) {
     if let Ok(bucket) = Bucket::decode(data.to_vec()) {
-        let _ = decide(&bucket, &[0; 16], &Fingerprint::default(), 1);
+        let _ = decide(&bucket, &[0; 16], &Fingerprint::default(), crate::caller::Caller::ANONYMOUS, 1);
     }
     if let Ok((gen, key, response)) = StoredResponse::decode(data.to_vec()) {
         assert_eq!(response_stamp(data).ok(), Some((gen, key)));
@@ -53,7 +53,7 @@ pub fn entry(data: &[u8]) {
     let refused = matches!(begin, Err(StoreError::Corrupt(_)));
     let decided = is_bucket && matches!(begin, Ok(ref b) if !matches!(b, Begin::Replay(_)));
     assert!(refused || decided, "planted bucket: {begin:?}");
-    assert_eq!(table.sweep(0, u64::MAX).is_err(), !is_bucket);
+    assert_eq!(table.sweep(0, u64::MAX, None).is_err(), !is_bucket);
 
     // A completed entry whose response was replaced by a foreign value: an error, unless the
     // value is a response stamped for exactly this entry.

@@ -10,6 +10,7 @@
 pub mod budget;
 pub mod build;
 pub mod bytes;
+pub mod caller;
 pub mod config;
 pub mod digest;
 pub mod encoding;

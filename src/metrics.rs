@@ -26,10 +26,11 @@ pub enum Counter {
     StoreNoSpace,
     CompletionUnacknowledged,
     LocalReplay,
+    EvictedBelowShare,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 22] = [
+    pub const ALL: [Counter; 23] = [
         Counter::Claimed,
         Counter::Replayed,
         Counter::Conflict,
@@ -52,6 +53,7 @@ impl Counter {
         Counter::StoreNoSpace,
         Counter::CompletionUnacknowledged,
         Counter::LocalReplay,
+        Counter::EvictedBelowShare,
     ];
 
     pub fn name(self) -> &'static str {
@@ -74,6 +76,7 @@ impl Counter {
             Counter::OwnerLost => "idempotency.owner_lost",
             Counter::UpstreamFailed => "idempotency.upstream_failed",
             Counter::Evicted => "idempotency.evicted",
+            Counter::EvictedBelowShare => "idempotency.evicted_below_share",
             Counter::ScopeMissing => "idempotency.scope_missing",
             Counter::StoreNoSpace => "idempotency.store_no_space",
             Counter::CompletionUnacknowledged => "idempotency.completion_unacknowledged",
@@ -98,10 +101,14 @@ pub enum Gauge {
     ConfigBuckets,
     ConfigBucketShareBytes,
     ConfigMaxResponseBytes,
+    /// The share of the table's live entries, and of its stored bytes, held by the caller
+    /// holding the most entries, in thousandths; counted by the sweep, one pass at a time.
+    HeaviestCallerEntries,
+    HeaviestCallerBytes,
 }
 
 impl Gauge {
-    pub const ALL: [Gauge; 8] = [
+    pub const ALL: [Gauge; 10] = [
         Gauge::InProgress,
         Gauge::Completed,
         Gauge::StoredBytes,
@@ -110,6 +117,8 @@ impl Gauge {
         Gauge::ConfigBuckets,
         Gauge::ConfigBucketShareBytes,
         Gauge::ConfigMaxResponseBytes,
+        Gauge::HeaviestCallerEntries,
+        Gauge::HeaviestCallerBytes,
     ];
 
     pub fn name(self) -> &'static str {
@@ -122,6 +131,8 @@ impl Gauge {
             Gauge::ConfigBuckets => "idempotency.config_buckets",
             Gauge::ConfigBucketShareBytes => "idempotency.config_bucket_share_bytes",
             Gauge::ConfigMaxResponseBytes => "idempotency.config_max_response_bytes",
+            Gauge::HeaviestCallerEntries => "idempotency.heaviest_caller_entries_permille",
+            Gauge::HeaviestCallerBytes => "idempotency.heaviest_caller_bytes_permille",
         }
     }
 }

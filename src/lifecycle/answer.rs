@@ -47,16 +47,17 @@ impl<S: Store> Lifecycle<S> {
         };
         let policy = self.config.clone();
         let policy = policy.policy(stream.policy);
-        let Pending { key, mut fingerprint, headers, .. } = *pending;
+        let Pending { key, mut fingerprint, headers, caller, .. } = *pending;
         if policy.fingerprint_body {
             fingerprint.body(&body);
         }
         let fingerprint = fingerprint.finish();
         self.renew_due(now, false);
-        let claim = Claim { key, fingerprint, lease_ms: policy.lease_ms };
+        let claim = Claim { key, fingerprint, caller, lease_ms: policy.lease_ms };
         let mut held = Box::new(Held {
             key,
             fingerprint,
+            caller,
             outbound: None,
             wait_deadline_ms: None,
             next_poll_ms: 0,

@@ -26,6 +26,7 @@ pub use effect::{CallId, Effect, Reply};
 pub use forward::is_hop_by_hop;
 pub use request::Outbound;
 
+use crate::caller::Caller;
 use std::collections::VecDeque;
 
 use crate::ids::IdMap;
@@ -125,6 +126,7 @@ enum Phase {
 struct Held {
     key: StoreKey,
     fingerprint: Fingerprint,
+    caller: Caller,
     /// Set when the request can be sent detached, should it become the owner.
     outbound: Option<Outbound>,
     /// Wait mode: when it stops waiting; when it asks the store again; whether it is asking.
@@ -380,6 +382,7 @@ impl<S: Store> Lifecycle<S> {
             }
         }
         self.count_n(Counter::Evicted, change.evicted);
+        self.count_n(Counter::EvictedBelowShare, change.evicted_below_share);
         self.count_n(Counter::Expired, change.expired_marks);
     }
 

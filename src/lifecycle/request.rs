@@ -1,6 +1,7 @@
 //! A covered request, from its headers (SPEC §3.1): the key, the caller's scope, the store
 //! key, the fingerprint so far, and what the root needs to send it itself.
 
+use crate::caller::Caller;
 use crate::config::{Config, Forward, MissingScope, Policy, RouteMatch};
 use crate::fingerprint::FingerprintBuilder;
 use crate::host::{HeaderMap, Host};
@@ -16,6 +17,8 @@ pub struct Pending {
     pub headers: Option<HeaderMap>,
     /// Its scope was absent and `missing_scope: "share"` put it in the anonymous scope.
     pub scope_shared: bool,
+    /// Whose key it is (fair share): a digest of the scope.
+    pub caller: Caller,
 }
 
 /// What the request headers say.
@@ -120,7 +123,8 @@ fn covered(
     // A gRPC call sent detached answers its client through the replay loopback (a local
     // reply cannot carry its messages); without it, gRPC calls go through the router.
     let headers = (policy.forward == Forward::Detached && (!grpc || config.grpc_replay_loopback)).then_some(headers);
-    Covered::Yes(Box::new(Pending { key, fingerprint, headers, scope_shared }))
+    let caller = Caller::of(&scope_refs);
+    Covered::Yes(Box::new(Pending { key, fingerprint, headers, scope_shared, caller }))
 }
 
 /// The values that scope the key to a caller: configured headers (all their values), the

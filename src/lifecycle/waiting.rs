@@ -27,7 +27,7 @@ impl<S: Store> Lifecycle<S> {
             if !asked.contains(&(held.key, held.fingerprint)) {
                 asked.push((held.key, held.fingerprint));
                 let lease_ms = self.config.policy(stream.policy).lease_ms;
-                due.push((*id, Claim { key: held.key, fingerprint: held.fingerprint, lease_ms }));
+                due.push((*id, Claim { key: held.key, fingerprint: held.fingerprint, caller: held.caller, lease_ms }));
             }
         }
         for (id, claim) in due {

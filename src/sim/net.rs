@@ -177,20 +177,22 @@ impl Faults {
         self.pauses.get(envoy)?.iter().find(|(from, to)| *from <= at && at < *to).map(|(_, to)| *to)
     }
 
-    /// Whether an owner's mark may have expired under it between `from` and `to`: its Envoy
-    /// was paused, or an etcd cluster stalled, was down, had no leader or refused writes (out
-    /// of space: no renewal lands), for half a lease or more; or a clock stepped by half a
-    /// lease or more before `to`. Each Envoy judges a mark's deadline by its own clock: one
-    /// Envoy's step forward expires its marks early; in a fleet, a step either way sets one
-    /// Envoy's clock apart from the one that wrote the deadline.
+    /// Whether an owner's mark may have expired under it between `from` and `to`: the time its
+    /// renewals could not land (the longest pause of its Envoy, the longest etcd stall, outage,
+    /// election or refusal for space) plus how far the clocks were set apart by steps before
+    /// `to` reaches half a lease. They add up: a renewal that cannot land for a second while
+    /// another Envoy's clock runs a second and a half ahead loses a three-second mark. Each
+    /// Envoy judges a mark's deadline by its own clock: one Envoy's step forward expires its
+    /// marks early; in a fleet, a step either way sets one Envoy's clock apart from the one
+    /// that wrote the deadline.
     pub fn may_lose_lease(&self, envoy: usize, from: u64, to: u64, lease_ms: u64) -> bool {
-        let long = |a: u64, b: u64| b.min(to).saturating_sub(a.max(from)) * 2 >= lease_ms;
-        let paused = self.pauses.get(envoy).is_some_and(|p| p.iter().any(|(a, b)| long(*a, *b)));
-        let etcd = self.etcd.iter().flatten().any(|w| long(w.from, w.to));
+        let within = |a: u64, b: u64| b.min(to).saturating_sub(a.max(from));
+        let paused = self.pauses.get(envoy).map_or(0, |p| p.iter().map(|(a, b)| within(*a, *b)).max().unwrap_or(0));
+        let etcd = self.etcd.iter().flatten().map(|w| within(w.from, w.to)).max().unwrap_or(0);
         let fleet = self.steps.len() > 1;
         let apart = |by: i64| if fleet { by.unsigned_abs() } else { by.max(0) as u64 };
-        let stepped = self.steps.iter().flatten().any(|(at, by)| *at <= to && apart(*by) * 2 >= lease_ms);
-        paused || etcd || stepped
+        let stepped: u64 = self.steps.iter().flatten().filter(|(at, _)| *at <= to).map(|(_, by)| apart(*by)).sum();
+        (paused + etcd + stepped) * 2 >= lease_ms
     }
 
     /// Whether any etcd trouble, loss or pause touched `from..to`, or a clock stepped before

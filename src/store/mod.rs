@@ -7,6 +7,7 @@ pub mod shared;
 
 use std::rc::Rc;
 
+use crate::caller::Caller;
 use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::header_map::HeaderMap;
@@ -99,6 +100,8 @@ pub enum Answer {
 pub struct Claim {
     pub key: StoreKey,
     pub fingerprint: Fingerprint,
+    /// Whose key it is (fair share).
+    pub caller: Caller,
     pub lease_ms: u64,
 }
 
@@ -154,6 +157,8 @@ pub struct TickReport {
     pub change: Change,
     /// The effective retention to show, when the store has a new figure (ms).
     pub effective_retention_ms: Option<u64>,
+    /// The heaviest caller of the table, when a sweep pass has just counted it.
+    pub heaviest: Option<crate::table::Heaviest>,
 }
 
 /// The store's side of the request lifecycle. Every operation answers at once (`Some`) or

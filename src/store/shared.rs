@@ -12,12 +12,16 @@ use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner
 use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
-use crate::table::{self, Begin, Change, Finish, ReplayCache, SharedKv, Table, Ticket};
+use crate::table::{self, Begin, Census, Change, Finish, Heaviest, ReplayCache, SharedKv, Table, Ticket};
 
 /// Buckets swept per second and VM: a 1,024-bucket table is swept every 2.5 s per worker.
 const SWEEP_PER_SECOND: u64 = 400;
 /// How often this VM adds its evictions to the effective-retention window.
 const RETENTION_REPORT_MS: u64 = 1_000;
+/// A caller holding more than this share (thousandths) of the table's entries or bytes while
+/// it evicts is logged as flooding, once a minute per Envoy.
+const FLOOD_PERMILLE: u64 = 500;
+const FLOOD_LOG_MS: u64 = 60_000;
 
 enum Retry {
     Complete { owner: Owner, response: Option<Rc<StoredResponse>>, now_ms: u64, retention_ms: u64 },
@@ -54,6 +58,10 @@ pub struct SharedStore<S> {
     /// The youngest age evicted here since the last report to the window.
     youngest_evicted_ms: Option<u64>,
     next_report_ms: u64,
+    /// Who holds the table, counted by the sweep; and the Envoy's last effective retention
+    /// (0: nothing evicted in the last minute).
+    census: Census,
+    effective_retention_ms: u64,
 }
 
 impl<S: SharedKv> SharedStore<S> {
@@ -75,6 +83,8 @@ impl<S: SharedKv> SharedStore<S> {
             sweep_per_tick: (SWEEP_PER_SECOND * tick_ms / 1000).max(1) as u32,
             youngest_evicted_ms: None,
             next_report_ms: 0,
+            census: Census::default(),
+            effective_retention_ms: 0,
         }
     }
 
@@ -193,11 +203,16 @@ impl<S: SharedKv> SharedStore<S> {
         }
     }
 
-    fn sweep(&mut self, now_ms: u64) -> Change {
+    /// Frees expired entries a few buckets at a time; at the end of a pass over the table,
+    /// who held it.
+    fn sweep(&mut self, now_ms: u64) -> (Change, Option<Heaviest>) {
         let buckets = self.table.layout().buckets();
         let mut total = Change::default();
+        let mut heaviest = None;
         for _ in 0..self.sweep_per_tick.min(buckets) {
-            match self.table.sweep(self.sweep_cursor, now_ms) {
+            let swept = self.table.sweep(self.sweep_cursor, now_ms, Some(&mut self.census));
+            heaviest = self.census.bucket_done(buckets).or(heaviest);
+            match swept {
                 Ok(c) => {
                     total.in_progress += c.in_progress;
                     total.completed += c.completed;
@@ -208,7 +223,28 @@ impl<S: SharedKv> SharedStore<S> {
             }
             self.sweep_cursor = (self.sweep_cursor + 1) % buckets;
         }
-        total
+        (total, heaviest)
+    }
+
+    /// A caller that holds most of the table while it evicts is named in the log (by its tag,
+    /// never its scope), once a minute per Envoy.
+    fn tell_flood(&self, heaviest: &Heaviest, now_ms: u64) {
+        let most = heaviest.entries_permille.max(heaviest.bytes_permille);
+        if self.effective_retention_ms == 0
+            || most <= FLOOD_PERMILLE
+            || !self.table.take_turn("flood", now_ms, FLOOD_LOG_MS)
+        {
+            return;
+        }
+        log::warn!(
+            "fair share: caller {} holds {}.{}% of the table's entries and {}.{}% of its stored bytes while the table evicts (answers {} ms old are being evicted); evictions take its own oldest answers first. tools/caller_tag.py gives a scope's tag. Logged once a minute",
+            heaviest.caller.short(),
+            heaviest.entries_permille / 10,
+            heaviest.entries_permille % 10,
+            heaviest.bytes_permille / 10,
+            heaviest.bytes_permille % 10,
+            self.effective_retention_ms,
+        );
     }
 }
 
@@ -236,11 +272,17 @@ impl<S: SharedKv> Store for SharedStore<S> {
         if held {
             return Some(Answer::Began(Began::InProgress));
         }
-        let begin =
-            match self.table.begin_with(&claim.key, &claim.fingerprint, now_ms, claim.lease_ms, &mut self.replays) {
-                Ok(begin) => begin,
-                Err(e) => return Some(Answer::Began(Began::Failed(e))),
-            };
+        let begin = match self.table.begin_with(
+            &claim.key,
+            &claim.fingerprint,
+            claim.caller,
+            now_ms,
+            claim.lease_ms,
+            &mut self.replays,
+        ) {
+            Ok(begin) => begin,
+            Err(e) => return Some(Answer::Began(Began::Failed(e))),
+        };
         let owner = match &begin {
             Begin::Claimed { ticket, change, .. } => {
                 let change = *change;
@@ -298,13 +340,17 @@ impl<S: SharedKv> Store for SharedStore<S> {
     fn tick(&mut self, now_ms: u64) -> TickReport {
         self.clock_high_ms = self.clock_high_ms.max(now_ms);
         self.retry();
-        let change = self.sweep(now_ms);
-        let mut report = TickReport { change, effective_retention_ms: None };
+        let (change, heaviest) = self.sweep(now_ms);
+        if let Some(h) = &heaviest {
+            self.tell_flood(h, now_ms);
+        }
+        let mut report = TickReport { change, effective_retention_ms: None, heaviest };
         if now_ms >= self.next_report_ms {
             self.next_report_ms = now_ms + RETENTION_REPORT_MS;
             match self.table.note_evictions(now_ms, self.youngest_evicted_ms) {
                 Ok(ms) => {
                     self.youngest_evicted_ms = None;
+                    self.effective_retention_ms = ms;
                     report.effective_retention_ms = Some(ms);
                 }
                 Err(e) => log::debug!("eviction window not updated: {e:?}"),
@@ -390,7 +436,12 @@ mod tests {
 
     fn claim(key: &str, fingerprint: u8) -> Claim {
         let key = StoreKey::derive("t", b"api", &[Some(b"caller")], key.as_bytes());
-        Claim { key, fingerprint: Fingerprint([fingerprint; 16]), lease_ms: LEASE_MS }
+        Claim {
+            key,
+            fingerprint: Fingerprint([fingerprint; 16]),
+            caller: crate::caller::Caller::ANONYMOUS,
+            lease_ms: LEASE_MS,
+        }
     }
 
     fn response() -> Rc<StoredResponse> {
@@ -527,5 +578,47 @@ mod tests {
         let reads = kv.reads.get();
         assert!(matches!(begin(&mut s, &c, 2_600), Began::InProgress));
         assert_eq!(kv.reads.get(), reads);
+    }
+}
+
+#[cfg(test)]
+mod census_tests {
+    use std::rc::Rc;
+
+    use super::*;
+    use crate::caller::Caller;
+    use crate::table::memory::MemoryKv;
+    use crate::table::Layout;
+
+    fn store_for(s: &mut SharedStore<MemoryKv>, scope: &str, n: u64, body: usize, now: u64) {
+        let scopes = [Some(scope.as_bytes())];
+        let key = StoreKey::derive("t", b"api", &scopes, n.to_string().as_bytes());
+        let claim = Claim { key, fingerprint: Fingerprint([1; 16]), caller: Caller::of(&scopes), lease_ms: 2_000 };
+        let Some(Answer::Began(Began::Claimed { owner, .. })) = s.begin(For::Stream(1), &claim, now) else {
+            panic!("not claimed")
+        };
+        let response = Rc::new(StoredResponse::new(200, [("a", b"b".as_slice())], vec![b'x'; body]));
+        assert!(matches!(s.complete(owner, Some(response), 60_000, now), Some(Answer::Completed(_))));
+    }
+
+    #[test]
+    fn a_sweep_pass_reports_the_heaviest_caller() {
+        let table = Table::new(MemoryKv::new(), Layout::new("t", 256, 1 << 20));
+        table.create().unwrap();
+        let mut s = SharedStore::new(table, 50, 0);
+        for n in 0..8 {
+            store_for(&mut s, "Bearer quiet", n, 900, 1_000);
+        }
+        for n in 0..40 {
+            store_for(&mut s, "Bearer busy", n, 10, 1_000);
+        }
+        // 20 buckets a tick, 4 buckets in the table: the first tick finishes a pass.
+        let heaviest = s.tick(1_050).heaviest.expect("a pass over 4 buckets ends within a tick");
+        assert_eq!(heaviest.caller, Caller::of(&[Some(b"Bearer busy")]));
+        assert_eq!(heaviest.entries_permille, 833, "40 of 48 entries");
+        assert!((1..300).contains(&heaviest.bytes_permille), "its answers are small: {heaviest:?}");
+        assert!(s.table().take_turn("flood", 1_050, 60_000), "the first asker speaks");
+        assert!(!s.table().take_turn("flood", 2_000, 60_000), "then nobody for a minute");
+        assert!(s.table().take_turn("flood", 61_050, 60_000));
     }
 }

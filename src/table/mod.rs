@@ -25,14 +25,18 @@
 //! replaces a newer stamp, so an owner whose mark was taken over cannot clobber the new
 //! owner's response (SPEC §3.8).
 
+use crate::caller::Caller;
 use crate::encoding::{Bucket, Corrupt, Entry, KeyTag, State, StoredResponse, ENTRIES};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::retention::EvictionWindow;
+pub use census::{Census, Heaviest};
 use std::rc::Rc;
+pub mod census;
 mod kv;
 pub mod memory;
 mod replays;
+mod share;
 
 pub use kv::{KvError, SharedKv};
 pub use replays::{ReplayCache, TRUST_MS};
@@ -85,6 +89,9 @@ pub struct Change {
     pub evicted: u32,
     /// How old the youngest of them was.
     pub youngest_evicted_ms: Option<u64>,
+    /// Of `evicted`, those whose caller held less than an even share of the bucket (fair
+    /// share makes this 0 unless the heavier callers hold nothing but marks).
+    pub evicted_below_share: u32,
     /// In-progress marks freed after their deadline: their owner is gone.
     pub expired_marks: u32,
 }
@@ -149,10 +156,13 @@ pub enum Completed {
 /// The pure decision for one request against its bucket (SPEC §3.3–3.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
-    /// Take `entry`: free, expired, or the bucket's oldest completed entry (evicted).
+    /// Take `entry`: free, expired, or the oldest completed entry of the caller holding the
+    /// most of the bucket (evicted; `below_share` when that caller held less than its share,
+    /// which happens only when the heavier ones hold nothing but marks).
     Claim {
         entry: usize,
         takeover: bool,
+        below_share: bool,
     },
     InProgress,
     Completed {
@@ -163,7 +173,13 @@ pub enum Decision {
     Full,
 }
 
-pub fn decide(bucket: &Bucket, key: &KeyTag, fingerprint: &Fingerprint, now_ms: u64) -> Result<Decision, Corrupt> {
+pub fn decide(
+    bucket: &Bucket,
+    key: &KeyTag,
+    fingerprint: &Fingerprint,
+    caller: Caller,
+    now_ms: u64,
+) -> Result<Decision, Corrupt> {
     // A live entry of the key decides alone (at most one exists): found by its tag first.
     if let Some(i) = bucket.find_key(key) {
         let entry = bucket.entry(i)?;
@@ -174,7 +190,7 @@ pub fn decide(bucket: &Bucket, key: &KeyTag, fingerprint: &Fingerprint, now_ms: 
     let mut expired_same_key = None;
     let mut free = None;
     let mut expired = None;
-    let mut oldest: Option<(usize, u64)> = None;
+    let mut held = share::Holdings::default();
     for i in 0..ENTRIES {
         let entry = bucket.glance(i)?;
         if entry.state == State::Free {
@@ -193,13 +209,21 @@ pub fn decide(bucket: &Bucket, key: &KeyTag, fingerprint: &Fingerprint, now_ms: 
             // A live entry for this key: at most one exists, because claims are decided here.
             return Ok(judge_live(&bucket.entry(i)?, i, fingerprint));
         }
-        if entry.state.is_completed() && oldest.is_none_or(|(_, since)| entry.since_ms < since) {
-            oldest = Some((i, entry.since_ms));
-        }
+        held.add(entry.caller, 1, entry.state.is_completed().then_some((i, entry.since_ms)));
     }
     let room = expired_same_key.or(free.map(|i| (i, false))).or(expired.map(|i| (i, false)));
-    Ok(match room.or(oldest.map(|(i, _)| (i, false))) {
-        Some((entry, takeover)) => Decision::Claim { entry, takeover },
+    if let Some((entry, takeover)) = room {
+        return Ok(Decision::Claim { entry, takeover, below_share: false });
+    }
+    // Full of live entries: room comes from the caller holding the most, the claimer's new
+    // entry counted (fair share).
+    held.add(caller, 1, None);
+    Ok(match held.victim(Some(caller)) {
+        Some(victim) => Decision::Claim {
+            entry: victim.index,
+            takeover: false,
+            below_share: held.below_share(victim.held, ENTRIES as u64),
+        },
         None => Decision::Full,
     })
 }
@@ -213,7 +237,7 @@ fn judge_live(entry: &Entry, index: usize, fingerprint: &Fingerprint) -> Decisio
         State::InProgress => Decision::InProgress,
         State::Completed => Decision::Completed { entry: index, no_body: false },
         State::CompletedNoBody => Decision::Completed { entry: index, no_body: true },
-        State::Free => Decision::Claim { entry: index, takeover: false },
+        State::Free => Decision::Claim { entry: index, takeover: false, below_share: false },
     }
 }
 
@@ -222,8 +246,8 @@ fn judge_live(entry: &Entry, index: usize, fingerprint: &Fingerprint) -> Decisio
 pub fn decide_entry(entry: Option<&Entry>, fingerprint: &Fingerprint, now_ms: u64) -> Decision {
     match entry {
         Some(entry) if entry.is_live(now_ms) => judge_live(entry, 0, fingerprint),
-        Some(entry) => Decision::Claim { entry: 0, takeover: entry.state == State::InProgress },
-        None => Decision::Claim { entry: 0, takeover: false },
+        Some(entry) => Decision::Claim { entry: 0, takeover: entry.state == State::InProgress, below_share: false },
+        None => Decision::Claim { entry: 0, takeover: false, below_share: false },
     }
 }
 
@@ -323,40 +347,61 @@ fn slot_of(bucket: u32, entry: usize) -> u32 {
     bucket * ENTRIES as u32 + entry as u32
 }
 
-/// Frees completed entries of `bucket` (other than `own`) until `needed` more bytes fit in
-/// `budget`: expired ones first, then the oldest. Returns the freed entries (slot, gen).
+/// Frees completed entries of `bucket` (other than `own`, of `caller`) until `needed` more
+/// bytes fit in `budget`: expired ones first, then the oldest of the caller holding the most
+/// bytes there, `caller`'s `needed` counted (fair share). Returns the freed entries (slot, gen).
+#[allow(clippy::too_many_arguments)]
 fn make_room(
     bucket: &mut Bucket,
     bucket_id: u32,
     own: usize,
+    caller: Caller,
     needed: u64,
     budget: u64,
     now_ms: u64,
     change: &mut Change,
 ) -> Result<Vec<(u32, u64)>, Corrupt> {
-    let mut held: Vec<(usize, Entry)> = Vec::new();
+    let mut expired: Vec<(usize, Entry)> = Vec::new();
+    let mut live: Vec<(usize, Entry)> = Vec::new();
+    let mut held = share::Holdings::default();
     let mut total = 0u64;
     for i in (0..ENTRIES).filter(|i| *i != own) {
         let entry = bucket.entry(i)?;
         if entry.bytes > 0 && entry.state.is_completed() {
             total += u64::from(entry.bytes);
-            held.push((i, entry));
+            if entry.is_live(now_ms) {
+                held.add(entry.caller, u64::from(entry.bytes), Some((i, entry.since_ms)));
+                live.push((i, entry));
+            } else {
+                expired.push((i, entry));
+            }
         }
     }
     let mut freed = Vec::new();
     if total + needed <= budget {
         return Ok(freed);
     }
-    // Expired entries first, then by age.
-    held.sort_by_key(|(_, w)| (w.is_live(now_ms), w.since_ms));
-    for (i, entry) in held {
+    held.add(caller, needed, None);
+    let mut free = |i: usize, entry: &Entry, change: &mut Change, total: &mut u64| {
+        *total -= u64::from(entry.bytes);
+        change.remove(entry, now_ms, entry.is_live(now_ms));
+        bucket.set_entry(i, &Entry { gen: entry.gen, ..Entry::FREE });
+        freed.push((slot_of(bucket_id, i), entry.gen));
+    };
+    for (i, entry) in &expired {
         if total + needed <= budget {
             break;
         }
-        total -= u64::from(entry.bytes);
-        change.remove(&entry, now_ms, entry.is_live(now_ms));
-        bucket.set_entry(i, &Entry { gen: entry.gen, ..Entry::FREE });
-        freed.push((slot_of(bucket_id, i), entry.gen));
+        free(*i, entry, change, &mut total);
+    }
+    while total + needed > budget {
+        let Some(victim) = held.victim(Some(caller)) else { break };
+        let Some((_, entry)) = live.iter().find(|(i, _)| *i == victim.index) else { break };
+        if held.below_share(victim.held, budget) {
+            change.evicted_below_share += 1;
+        }
+        free(victim.index, entry, change, &mut total);
+        held.remove(victim.index);
     }
     Ok(freed)
 }
@@ -367,7 +412,9 @@ struct Claiming<'a> {
     entry: usize,
     tag: KeyTag,
     fingerprint: &'a Fingerprint,
+    caller: Caller,
     takeover: bool,
+    below_share: bool,
 }
 
 /// The idempotency table over a [`SharedKv`].
@@ -444,7 +491,7 @@ impl<S: SharedKv> Table<S> {
         now_ms: u64,
         lease_ms: u64,
     ) -> Result<Begin, StoreError> {
-        self.begin_with(key, fingerprint, now_ms, lease_ms, &mut ReplayCache::new(0))
+        self.begin_with(key, fingerprint, Caller::ANONYMOUS, now_ms, lease_ms, &mut ReplayCache::new(0))
     }
 
     /// [`Table::begin`], replaying from `cache` what this VM replayed before: without a read
@@ -454,6 +501,7 @@ impl<S: SharedKv> Table<S> {
         &self,
         key: &StoreKey,
         fingerprint: &Fingerprint,
+        caller: Caller,
         now_ms: u64,
         lease_ms: u64,
         cache: &mut ReplayCache,
@@ -466,9 +514,9 @@ impl<S: SharedKv> Table<S> {
         let mut unmatched: Option<(usize, u64)> = None;
         for _ in 0..MAX_ATTEMPTS {
             let (bucket, cas) = self.read_bucket(bucket_id)?;
-            match decide(&bucket, &tag, fingerprint, now_ms)? {
-                Decision::Claim { entry, takeover } => {
-                    let claim = Claiming { bucket_id, entry, tag, fingerprint, takeover };
+            match decide(&bucket, &tag, fingerprint, caller, now_ms)? {
+                Decision::Claim { entry, takeover, below_share } => {
+                    let claim = Claiming { bucket_id, entry, tag, fingerprint, caller, takeover, below_share };
                     if let Some(claimed) = self.try_claim(bucket, cas, claim, now_ms, lease_ms)? {
                         if let Begin::Claimed { ticket, .. } = &claimed {
                             // What the slot held is gone, and so is what was kept of the key.
@@ -518,6 +566,7 @@ impl<S: SharedKv> Table<S> {
             deadline_ms: now_ms.saturating_add(lease_ms),
             since_ms: now_ms,
             bytes: 0,
+            caller: c.caller,
         };
         bucket.set_entry(c.entry, &claimed);
         if !self.write_bucket(c.bucket_id, &bucket, cas)? {
@@ -526,6 +575,9 @@ impl<S: SharedKv> Table<S> {
         let slot = slot_of(c.bucket_id, c.entry);
         let mut change = Change { in_progress: 1, ..Change::default() };
         change.remove(&old, now_ms, old.is_evictable(now_ms));
+        if c.below_share && old.is_evictable(now_ms) {
+            change.evicted_below_share += 1;
+        }
         if c.takeover {
             change.expired_marks -= 1; // counted as a takeover instead
         }
@@ -642,7 +694,8 @@ impl<S: SharedKv> Table<S> {
                 return Ok(Completed::Lost);
             }
             let mut change = Change { in_progress: -1, completed: 1, bytes: bytes as i64, ..Change::default() };
-            let freed = make_room(&mut bucket, bucket_id, index, bytes, self.layout.bucket_bytes, now_ms, &mut change)?;
+            let budget = self.layout.bucket_bytes;
+            let freed = make_room(&mut bucket, bucket_id, index, entry.caller, bytes, budget, now_ms, &mut change)?;
             entry.state = if bytes > 0 { State::Completed } else { State::CompletedNoBody };
             entry.deadline_ms = now_ms.saturating_add(retention_ms);
             entry.since_ms = now_ms;
@@ -756,6 +809,7 @@ impl<S: SharedKv> Table<S> {
         &self,
         key: &StoreKey,
         fingerprint: &Fingerprint,
+        caller: Caller,
         response: Option<&StoredResponse>,
         deadline_ms: u64,
         now_ms: u64,
@@ -765,7 +819,10 @@ impl<S: SharedKv> Table<S> {
         }
         // Between the two writes the entry is a mark for a moment: lookups skip it, and it
         // expires after a second if the completion never comes.
-        let Begin::Claimed { ticket, change: claimed, .. } = self.begin(key, fingerprint, now_ms, 1_000)? else {
+        let mut no_cache = ReplayCache::new(0);
+        let Begin::Claimed { ticket, change: claimed, .. } =
+            self.begin_with(key, fingerprint, caller, now_ms, 1_000, &mut no_cache)?
+        else {
             return Ok(Change::default());
         };
         let mut copy = response.cloned();
@@ -780,20 +837,29 @@ impl<S: SharedKv> Table<S> {
             evicted: claimed.evicted + change.evicted,
             youngest_evicted_ms: claimed.youngest_evicted_ms.or(change.youngest_evicted_ms),
             expired_marks: claimed.expired_marks + change.expired_marks,
+            evicted_below_share: claimed.evicted_below_share + change.evicted_below_share,
         })
     }
 
     /// Frees the expired entries of one bucket and the responses they held. Called a few
     /// buckets at a time from `on_tick`, so memory of expired entries is returned even when no
     /// new key lands in their bucket.
-    pub fn sweep(&self, bucket_id: u32, now_ms: u64) -> Result<Change, StoreError> {
-        for _ in 0..MAX_ATTEMPTS {
+    /// `census`: counts the live entries by caller.
+    pub fn sweep(&self, bucket_id: u32, now_ms: u64, mut census: Option<&mut Census>) -> Result<Change, StoreError> {
+        for attempt in 0..MAX_ATTEMPTS {
             let (mut bucket, cas) = self.read_bucket(bucket_id)?;
             let mut change = Change::default();
             let mut blank = Vec::new();
             for i in 0..ENTRIES {
                 let entry = bucket.entry(i)?;
-                if entry.state == State::Free || entry.is_live(now_ms) {
+                if entry.state == State::Free {
+                    continue;
+                }
+                if entry.is_live(now_ms) {
+                    // Counted once: the first read is as good as any for a figure.
+                    if let (0, Some(census)) = (attempt, census.as_deref_mut()) {
+                        census.add(entry.caller, u64::from(entry.bytes));
+                    }
                     continue;
                 }
                 change.remove(&entry, now_ms, false);
@@ -813,6 +879,19 @@ impl<S: SharedKv> Table<S> {
             }
         }
         Err(StoreError::Contention)
+    }
+
+    /// Whether this VM's turn has come to say something once per `every_ms` for the whole
+    /// Envoy (every VM shares the table): the first to ask after the period takes it.
+    pub fn take_turn(&self, what: &str, now_ms: u64, every_ms: u64) -> bool {
+        let key = format!("{}turn:{what}", self.layout.prefix);
+        let Ok((value, cas)) = self.store.get(&key) else { return false };
+        let next = value.as_deref().map_or(0, |v| crate::bytes::u64_at(v, 0));
+        if now_ms < next {
+            return false;
+        }
+        // A missing key ignores `cas` (two VMs may both speak once): harmless for a log line.
+        self.store.set(&key, &now_ms.saturating_add(every_ms).to_le_bytes(), cas).is_ok()
     }
 
     /// Adds evictions seen by this worker to the process-wide window, and returns the

@@ -156,6 +156,7 @@ mod tests {
             deadline_ms: 100_000,
             since_ms: 0,
             bytes: 1,
+            caller: crate::caller::Caller::ANONYMOUS,
         }
     }
 

@@ -294,8 +294,8 @@ fn sweep_frees_expired_entries_and_their_responses() {
     complete(&t, &a, &"y".repeat(1000), 0, 100);
     let _b = claim(&t, 2, 0);
     let before = t.store.value_bytes();
-    assert_eq!(t.sweep(0, 50).unwrap(), Change::default());
-    let swept = t.sweep(0, LEASE).unwrap();
+    assert_eq!(t.sweep(0, 50, None).unwrap(), Change::default());
+    let swept = t.sweep(0, LEASE, None).unwrap();
     let bytes = response(&"y".repeat(1000)).stored_len() as i64;
     assert_eq!(swept, Change { in_progress: -1, completed: -1, bytes: -bytes, expired_marks: 1, ..Change::default() });
     assert!(t.store.value_bytes() < before - 1000);
@@ -473,7 +473,7 @@ fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
     let (mut cache, mut other_vm) = (ReplayCache::new(1 << 16), ReplayCache::new(1 << 16));
     let begin = |t: &Table<Counting>, k: u64, now: u64, cache: &mut ReplayCache| {
         let before = t.store().gets.get();
-        let b = t.begin_with(&key(k), &fp(1), now, LEASE, cache).unwrap();
+        let b = t.begin_with(&key(k), &fp(1), Caller::ANONYMOUS, now, LEASE, cache).unwrap();
         (b, t.store().gets.get() - before)
     };
     // One bucket of 64 completed keys; key 0 is the oldest.
@@ -492,7 +492,7 @@ fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
     assert_eq!(begin(&t, 0, 100 + TRUST_MS, &mut cache), (replay(response("0")), 1), "the bucket only");
     let now = 100 + TRUST_MS;
     // Another request with the key: the bucket decides.
-    let mismatch = t.begin_with(&key(0), &fp(2), now + 1, LEASE, &mut cache).unwrap();
+    let mismatch = t.begin_with(&key(0), &fp(2), Caller::ANONYMOUS, now + 1, LEASE, &mut cache).unwrap();
     assert_eq!(mismatch, Begin::Mismatch);
     // Key 64 evicts key 0's entry here and stores its own answer in the same slot.
     let ticket = match begin(&t, 64, now + 2, &mut cache).0 {
@@ -540,8 +540,9 @@ fn a_kept_replay_is_dropped_by_this_vms_own_evictions_and_claims() {
         let ticket = claim(&t, k, k);
         done(complete(&t, &ticket, &k.to_string(), k, RETENTION));
     }
-    let begin =
-        |k: u64, f: u8, now: u64, cache: &mut ReplayCache| t.begin_with(&key(k), &fp(f), now, LEASE, cache).unwrap();
+    let begin = |k: u64, f: u8, now: u64, cache: &mut ReplayCache| {
+        t.begin_with(&key(k), &fp(f), Caller::ANONYMOUS, now, LEASE, cache).unwrap()
+    };
     assert_eq!(begin(0, 1, 10, &mut cache), replay(response("0")));
     // Key 3's completion here evicts key 0 (the oldest) to make room.
     let ticket = match begin(3, 1, 11, &mut cache) {
@@ -556,13 +557,16 @@ fn a_kept_replay_is_dropped_by_this_vms_own_evictions_and_claims() {
     // different request: a retry of the first request meets that claim, not the kept answer.
     assert_eq!(begin(1, 1, 20, &mut cache), replay(response("1")));
     let mut other_vm = ReplayCache::new(1 << 16);
-    let ticket = match t.begin_with(&key(4), &fp(1), 21, LEASE, &mut other_vm).unwrap() {
+    let ticket = match t.begin_with(&key(4), &fp(1), Caller::ANONYMOUS, 21, LEASE, &mut other_vm).unwrap() {
         Begin::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
     t.complete_with(&ticket, Some(&mut response("4")), 22, RETENTION, &mut other_vm).unwrap();
     // The other VM's next claim takes key 1's old slot: this VM's claim of key 1 lands elsewhere.
-    assert!(matches!(t.begin_with(&key(5), &fp(1), 22, LEASE, &mut other_vm).unwrap(), Begin::Claimed { .. }));
+    assert!(matches!(
+        t.begin_with(&key(5), &fp(1), Caller::ANONYMOUS, 22, LEASE, &mut other_vm).unwrap(),
+        Begin::Claimed { .. }
+    ));
     assert!(matches!(begin(1, 2, 23, &mut cache), Begin::Claimed { .. }), "key 1 was evicted");
     assert_eq!(begin(1, 1, 24, &mut cache), Begin::Mismatch);
 }
@@ -573,6 +577,7 @@ fn decide_decoding_all(
     bucket: &Bucket,
     key: &KeyTag,
     fingerprint: &Fingerprint,
+    caller: Caller,
     now_ms: u64,
 ) -> Result<Decision, Corrupt> {
     if let Some(i) = bucket.find_key(key) {
@@ -581,7 +586,8 @@ fn decide_decoding_all(
             return Ok(judge_live(&entry, i, fingerprint));
         }
     }
-    let (mut expired_same_key, mut free, mut expired, mut oldest) = (None, None, None, None::<(usize, u64)>);
+    let (mut expired_same_key, mut free, mut expired) = (None, None, None);
+    let mut live = Vec::new();
     for i in 0..ENTRIES {
         let entry = bucket.entry(i)?;
         if entry.state == State::Free {
@@ -593,13 +599,29 @@ fn decide_decoding_all(
             expired = expired.or(Some(i));
         } else if entry.key == *key {
             return Ok(judge_live(&entry, i, fingerprint));
-        } else if entry.state.is_completed() && oldest.is_none_or(|(_, since)| entry.since_ms < since) {
-            oldest = Some((i, entry.since_ms));
+        } else {
+            live.push((i, entry));
         }
     }
     let room = expired_same_key.or(free.map(|i| (i, false))).or(expired.map(|i| (i, false)));
-    Ok(match room.or(oldest.map(|(i, _)| (i, false))) {
-        Some((entry, takeover)) => Decision::Claim { entry, takeover },
+    if let Some((entry, takeover)) = room {
+        return Ok(Decision::Claim { entry, takeover, below_share: false });
+    }
+    // Fair share, the obvious way: count every caller's live entries, the claimer's new one too.
+    let mut held: std::collections::HashMap<Caller, u64> = std::collections::HashMap::new();
+    for (_, e) in &live {
+        *held.entry(e.caller).or_default() += 1;
+    }
+    *held.entry(caller).or_default() += 1;
+    let victim = live.iter().filter(|(_, e)| e.state.is_completed()).max_by_key(|(i, e)| {
+        (held[&e.caller], e.caller == caller, std::cmp::Reverse(e.since_ms), std::cmp::Reverse(*i))
+    });
+    Ok(match victim {
+        Some((entry, e)) => Decision::Claim {
+            entry: *entry,
+            takeover: false,
+            below_share: held[&e.caller] * (held.len() as u64) < ENTRIES as u64,
+        },
         None => Decision::Full,
     })
 }
@@ -633,6 +655,7 @@ fn the_claim_scan_decides_as_decoding_every_entry_would() {
                 deadline_ms: if round % 6 == 0 { now + 1 + next(3) } else { now - 2 + next(4) },
                 since_ms: next(50),
                 bytes: 0,
+                caller: Caller::from_bits(next(4)),
             };
             bucket.set_entry(i, &entry);
         }
@@ -643,8 +666,9 @@ fn the_claim_scan_decides_as_decoding_every_entry_would() {
         }
         let bucket = Bucket::decode(bytes).unwrap();
         let (key, fingerprint) = ([next(5) as u8; 16], fp(next(2) as u8));
-        let fast = decide(&bucket, &key, &fingerprint, now);
-        assert_eq!(fast, decide_decoding_all(&bucket, &key, &fingerprint, now), "round {round}");
+        let caller = Caller::from_bits(next(5));
+        let fast = decide(&bucket, &key, &fingerprint, caller, now);
+        assert_eq!(fast, decide_decoding_all(&bucket, &key, &fingerprint, caller, now), "round {round}");
         decisions.insert(format!("{:?}", fast.map(|d| std::mem::discriminant(&d))));
     }
     assert_eq!(decisions.len(), 6, "the rounds reach every kind of decision and an error: {decisions:?}");
@@ -688,4 +712,106 @@ fn a_claim_stands_when_freeing_the_old_response_fails() {
     let completed = t.complete(&ticket, Some(&mut response("again")), 5_010, RETENTION).unwrap();
     assert!(matches!(completed, Completed::Stored(_)), "{completed:?}");
     assert!(matches!(t.begin(&key(1), &fp(2), 5_020, LEASE).unwrap(), Begin::Replay(r) if r.body() == b"again"));
+}
+
+/// A caller's key: the store key and the caller tag, as a request of `scope` gets them.
+fn scoped(scope: &str, n: u64) -> (StoreKey, Caller) {
+    let scopes = [Some(scope.as_bytes())];
+    (StoreKey::derive("t", b"host", &scopes, n.to_string().as_bytes()), Caller::of(&scopes))
+}
+
+/// Claims and completes `scope`'s key `n` with `body`; the change it made.
+fn store_scoped(t: &Table<MemoryKv>, scope: &str, n: u64, body: &str, now: u64) -> Change {
+    let (k, caller) = scoped(scope, n);
+    let mut cache = ReplayCache::new(0);
+    let (ticket, claimed) = match t.begin_with(&k, &fp(1), caller, now, LEASE, &mut cache).unwrap() {
+        Begin::Claimed { ticket, change, .. } => (ticket, change),
+        other => panic!("expected a claim of {scope}'s key {n}, got {other:?}"),
+    };
+    let completed = done(t.complete(&ticket, Some(&mut response(body)), now, RETENTION).unwrap());
+    Change {
+        evicted: claimed.evicted + completed.evicted,
+        evicted_below_share: claimed.evicted_below_share + completed.evicted_below_share,
+        ..Change::default()
+    }
+}
+
+/// Whether `scope`'s key `n` replays (a read only: a claim would make room itself).
+fn replays_scoped(t: &Table<MemoryKv>, scope: &str, n: u64, now: u64) -> bool {
+    matches!(t.lookup(&scoped(scope, n).0, &fp(1), now).unwrap(), Some(Begin::Replay(_)))
+}
+
+#[test]
+fn a_flood_of_new_keys_evicts_the_flooders_own_answers_only() {
+    // Two buckets; the other caller stores 16 answers, then one caller sends 8 × capacity new
+    // keys. Before fair share the flood evicted all 16 (the oldest completed entries).
+    let t = table(128);
+    for n in 0..16 {
+        store_scoped(&t, "Bearer quiet", n, "kept", 1_000 + n);
+    }
+    let (mut evicted, mut below) = (0, 0);
+    for n in 0..8 * 128 {
+        let change = store_scoped(&t, "Bearer flood", n, "flood", 2_000 + n);
+        evicted += change.evicted;
+        below += change.evicted_below_share;
+    }
+    assert!((0..16).all(|n| replays_scoped(&t, "Bearer quiet", n, 5_000)), "every quiet answer replays");
+    assert!(evicted >= 8 * 128 - 112, "the flood evicted its own ({evicted})");
+    assert_eq!(below, 0, "no caller below its share lost an answer");
+    // The flood's newest answers are still there: it keeps what its share holds.
+    assert!(replays_scoped(&t, "Bearer flood", 8 * 128 - 1, 5_000));
+    let kept = (0..8 * 128).filter(|n| replays_scoped(&t, "Bearer flood", *n, 5_000)).count();
+    assert_eq!(kept, 128 - 16, "the rest of the table");
+}
+
+#[test]
+fn a_flood_of_large_answers_evicts_the_flooders_own_bytes_only() {
+    // One bucket of 64 KiB: the quiet caller keeps six answers of 4 KiB; 640 KiB of the
+    // flooder's 16 KiB answers go through it.
+    let t = table_with_budget(64, 64 * 1024);
+    let small = "s".repeat(4 * 1024);
+    let large = "L".repeat(16 * 1024);
+    for n in 0..6 {
+        store_scoped(&t, "Bearer quiet", n, &small, 1_000 + n);
+    }
+    let mut below = 0;
+    for n in 0..40 {
+        below += store_scoped(&t, "Bearer flood", n, &large, 2_000 + n).evicted_below_share;
+    }
+    assert!((0..6).all(|n| replays_scoped(&t, "Bearer quiet", n, 5_000)), "every quiet answer replays");
+    assert!(replays_scoped(&t, "Bearer flood", 39, 5_000), "the flood's newest answer replays");
+    assert_eq!(below, 0);
+}
+
+#[test]
+fn a_caller_over_its_share_pays_for_its_own_room() {
+    // Half and half: each new key of either caller evicts that caller's own oldest answer.
+    let t = table(64);
+    for n in 0..32 {
+        store_scoped(&t, "Bearer a", n, "a", 1_000 + n);
+        store_scoped(&t, "Bearer b", n, "b", 1_000 + n);
+    }
+    store_scoped(&t, "Bearer b", 100, "b", 3_000);
+    assert!(replays_scoped(&t, "Bearer a", 0, 3_001), "a's oldest stays");
+    assert!(!replays_scoped(&t, "Bearer b", 0, 3_001), "b paid with its own oldest");
+}
+
+#[test]
+fn when_the_heavier_caller_holds_only_marks_the_eviction_is_counted_below_share() {
+    let t = table(64);
+    for n in 0..8 {
+        store_scoped(&t, "Bearer quiet", n, "q", 1_000 + n);
+    }
+    for n in 0..56 {
+        let (k, caller) = scoped("Bearer slow", n);
+        let began = t.begin_with(&k, &fp(1), caller, 2_000, LEASE, &mut ReplayCache::new(0)).unwrap();
+        assert!(matches!(began, Begin::Claimed { .. }));
+    }
+    // A third caller's new key: the slow caller holds 56 marks (never evicted), so the quiet
+    // caller's oldest answer goes, and the figure says it was under its share.
+    let (k, caller) = scoped("Bearer third", 0);
+    match t.begin_with(&k, &fp(1), caller, 2_001, LEASE, &mut ReplayCache::new(0)).unwrap() {
+        Begin::Claimed { change, .. } => assert_eq!((change.evicted, change.evicted_below_share), (1, 1)),
+        other => panic!("{other:?}"),
+    }
 }

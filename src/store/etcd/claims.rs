@@ -18,6 +18,7 @@ impl EtcdStore {
             deadline_ms: now.saturating_add(round.lease_ms),
             since_ms: now,
             bytes: 0,
+            caller: round.caller,
         };
         // The token (`gen`) makes the mark's value unique: a delete-if-value only ever removes
         // our own mark.

@@ -25,6 +25,7 @@ pub(crate) mod model;
 #[cfg(test)]
 mod tests;
 
+use crate::caller::Caller;
 use std::collections::{HashSet, VecDeque};
 
 use crate::ids::IdMap;
@@ -53,6 +54,7 @@ struct Round {
     key: Vec<u8>,
     tag: KeyTag,
     fingerprint: Fingerprint,
+    caller: Caller,
     lease_ms: u64,
     attempts: u8,
     /// The `mod_revision` of the expired entry to take over.
@@ -231,7 +233,7 @@ impl EtcdStore {
     /// Keeps a copy of a completed entry, if this store keeps copies.
     fn keep_copy(&mut self, store_key: &StoreKey, entry: &Entry, response: Option<&StoredResponse>, now: u64) {
         if let Some(replays) = &self.replays {
-            replays.borrow_mut().keep(store_key, &entry.fingerprint, response, entry.deadline_ms, now);
+            replays.borrow_mut().keep(store_key, &entry.fingerprint, entry.caller, response, entry.deadline_ms, now);
         }
     }
 
@@ -446,6 +448,7 @@ impl Store for EtcdStore {
             key,
             tag,
             fingerprint: claim.fingerprint,
+            caller: claim.caller,
             lease_ms: claim.lease_ms,
             attempts: 0,
             takeover: None,
@@ -496,7 +499,7 @@ impl Store for EtcdStore {
         }
         self.pump(now_ms);
         let change = self.replays.as_ref().map(|r| r.borrow_mut().tick(now_ms)).unwrap_or_default();
-        TickReport { change, effective_retention_ms: None }
+        TickReport { change, ..TickReport::default() }
     }
 
     fn poll_answer(&mut self) -> Option<(For, Answer)> {

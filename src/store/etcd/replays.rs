@@ -5,6 +5,7 @@
 //! bounded by `capacity` and `max_store_bytes` like the single-Envoy store, oldest evicted
 //! first; an evicted copy only costs a round trip.
 
+use crate::caller::Caller;
 use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
@@ -22,6 +23,7 @@ pub trait Replays {
         &mut self,
         key: &StoreKey,
         fingerprint: &Fingerprint,
+        caller: Caller,
         response: Option<&StoredResponse>,
         deadline_ms: u64,
         now_ms: u64,
@@ -50,6 +52,7 @@ impl<S: SharedKv> LocalReplays<S> {
         self.change.completed += c.completed;
         self.change.bytes += c.bytes;
         self.change.evicted += c.evicted;
+        self.change.evicted_below_share += c.evicted_below_share;
         self.change.expired_marks += c.expired_marks;
     }
 }
@@ -72,11 +75,12 @@ impl<S: SharedKv> Replays for LocalReplays<S> {
         &mut self,
         key: &StoreKey,
         fingerprint: &Fingerprint,
+        caller: Caller,
         response: Option<&StoredResponse>,
         deadline_ms: u64,
         now_ms: u64,
     ) {
-        match self.table.keep(key, fingerprint, response, deadline_ms, now_ms) {
+        match self.table.keep(key, fingerprint, caller, response, deadline_ms, now_ms) {
             Ok(change) => self.add(change),
             Err(e) => log::debug!("local replays: keeping a copy failed ({e:?})"),
         }
@@ -85,7 +89,7 @@ impl<S: SharedKv> Replays for LocalReplays<S> {
     fn tick(&mut self, now_ms: u64) -> Change {
         let buckets = self.table.layout().buckets();
         for _ in 0..SWEEP_PER_TICK.min(buckets) {
-            match self.table.sweep(self.cursor, now_ms) {
+            match self.table.sweep(self.cursor, now_ms, None) {
                 Ok(c) => self.add(c),
                 Err(e) => log::debug!("local replays: sweep failed ({e:?})"),
             }

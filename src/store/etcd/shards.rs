@@ -143,8 +143,9 @@ impl Store for Shards {
             change.completed += c.completed;
             change.bytes += c.bytes;
             change.evicted += c.evicted;
+            change.evicted_below_share += c.evicted_below_share;
         }
-        TickReport { change, effective_retention_ms: None }
+        TickReport { change, ..TickReport::default() }
     }
 
     fn poll_answer(&mut self) -> Option<(For, Answer)> {

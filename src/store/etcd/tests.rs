@@ -27,7 +27,12 @@ fn timed_out() -> CallAnswer {
 }
 
 fn claim(key: &str) -> Claim {
-    Claim { key: StoreKey::derive("t", b"h", &[], key.as_bytes()), fingerprint: Fingerprint([1; 16]), lease_ms: LEASE }
+    Claim {
+        key: StoreKey::derive("t", b"h", &[], key.as_bytes()),
+        fingerprint: Fingerprint([1; 16]),
+        caller: crate::caller::Caller::ANONYMOUS,
+        lease_ms: LEASE,
+    }
 }
 
 fn response(body: &str) -> Rc<StoredResponse> {

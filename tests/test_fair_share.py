@@ -1,0 +1,98 @@
+"""Fair share (docs/how-it-works.md, "Fair share"): one caller's flood of new keys, or of large
+answers, evicts that caller's own answers; another caller's stored answers all replay, one
+upstream effect each. The figures (evicted_below_share, the heaviest caller's share) and the
+log line that names the flooding caller by its tag, never its scope."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from e2e_util import assert_replay_of, describe, is_replay, new_key, plugin_counters, post
+from harness import run_concurrently, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+QUIET = {"authorization": "Bearer quiet-tenant"}
+FLOOD = {"authorization": "Bearer flooding-tenant"}
+
+
+def gauge(envoy, name):
+    return envoy.stat(f"wasmcustom.idempotency.{name}")
+
+
+def caller_tag(scope):
+    out = subprocess.run([sys.executable, str(ROOT / "tools/caller_tag.py"), scope],
+                         check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def test_a_flood_of_new_keys_leaves_another_callers_answers_stored(upstream, make_envoy, wasm):
+    capacity = 256
+    envoy = make_envoy({"capacity": capacity}, upstream.port)
+    quiet = [new_key("quiet") for _ in range(64)]
+    firsts = [post(envoy, k, extra=QUIET) for k in quiet]
+    flood = [new_key("flood") for _ in range(8 * capacity)]
+    answers = run_concurrently(lambda i: post(envoy, flood[i], extra=FLOOD), len(flood),
+                               max_workers=8, timeout=300)
+    retries = [post(envoy, k, extra=QUIET) for k in quiet]
+    newest = [post(envoy, k, extra=FLOOD) for k in flood[-64:]]
+
+    for first in firsts + answers:
+        assert first.status == 201 and not is_replay(first), describe(first)
+    for first, again in zip(firsts, retries):
+        assert_replay_of(again, first)
+    for first, again in zip(answers[-64:], newest):
+        assert_replay_of(again, first)
+    effects = upstream.effects()
+    assert all(effects[k] == 1 for k in quiet + flood), {k: n for k, n in effects.items() if n != 1}
+    counters = plugin_counters(envoy)
+    # Every way taken, each new key evicted one of the flooder's own answers.
+    assert counters["evicted"] == len(quiet) + len(flood) - capacity, counters
+    assert counters["evicted_below_share"] == 0, counters
+    # The flooder holds the rest of the table: 192 of 256 entries.
+    wait_until(lambda: gauge(envoy, "heaviest_caller_entries_permille") == 750, timeout=10,
+               message="the sweep's pass counts the heaviest caller")
+    tag = caller_tag(FLOOD["authorization"])
+    line = envoy.wait_log(rf"fair share: caller {tag} holds \d+\.\d% of the table.s entries",
+                          timeout=10)
+    assert "flooding-tenant" not in envoy.log_text(), "the scope itself is never logged"
+    print(f"flood of {len(flood)} keys through capacity {capacity}: evicted "
+          f"{counters['evicted']}, evicted_below_share {counters['evicted_below_share']}, "
+          f"effective retention {gauge(envoy, 'effective_retention_ms')} ms; all "
+          f"{len(quiet)} quiet answers replayed; log: "
+          f"{next(l for l in envoy.log_text().splitlines() if line.group(0) in l)}")
+
+
+def test_a_flood_of_large_answers_leaves_another_callers_answers_stored(upstream, make_envoy,
+                                                                        wasm):
+    """25 MiB of one caller's answers through a 2 MiB budget; another caller's six answers
+    of 16 KiB stay."""
+    budget = 2 << 20
+    envoy = make_envoy({"capacity": 128, "max_store_bytes": budget,
+                        "max_response_bytes": 256 << 10}, upstream.port)
+    small = {**QUIET, "x-body-bytes": str(16 << 10)}
+    big = {**FLOOD, "x-body-bytes": str(64 << 10)}
+    quiet = [new_key("quiet") for _ in range(6)]
+    firsts = [post(envoy, k, extra=small) for k in quiet]
+    flood = [new_key("big") for _ in range(400)]
+    answers = run_concurrently(lambda i: post(envoy, flood[i], extra=big, timeout=30),
+                               len(flood), max_workers=4, timeout=300)
+    retries = [post(envoy, k, extra=small) for k in quiet]
+    newest = [post(envoy, k, extra=big, timeout=30) for k in flood[-4:]]
+
+    for first in firsts + answers:
+        assert first.status == 201 and not is_replay(first), describe(first)
+    for first, again in zip(firsts, retries):
+        assert_replay_of(again, first)
+    for first, again in zip(answers[-4:], newest):
+        assert_replay_of(again, first)
+    effects = upstream.effects()
+    assert all(effects[k] == 1 for k in quiet + flood)
+    counters = plugin_counters(envoy)
+    assert counters["evicted_below_share"] == 0, counters
+    assert 0 < gauge(envoy, "stored_bytes") <= budget
+    wait_until(lambda: gauge(envoy, "heaviest_caller_bytes_permille") > 900, timeout=10,
+               message="the flooder holds most bytes")
+    print(f"{len(flood)} answers of 64 KiB through a {budget} B budget: evicted "
+          f"{counters['evicted']}, stored {gauge(envoy, 'stored_bytes')} B, heaviest caller "
+          f"{gauge(envoy, 'heaviest_caller_bytes_permille')}‰ of bytes; all six answers of "
+          f"16 KiB replayed")
