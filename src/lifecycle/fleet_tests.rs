@@ -156,3 +156,45 @@ fn a_router_owner_known_lost_lets_its_answer_go_without_a_resume() {
     assert!(!effects.iter().any(|e| matches!(e, Effect::ResumeResponse { .. })), "{effects:?}");
     assert_eq!(count(&effects, Counter::OwnerLost), 1, "{effects:?}");
 }
+
+/// Wait mode on etcd: a duplicate held on the other replica asks etcd again every 100 ms
+/// while the first call runs (`waiting.rs`), each time with a Range only: no transaction, no
+/// raft proposal. Once the first call completed, the next poll's Range finds the answer.
+#[test]
+fn a_held_duplicates_polls_are_reads_only() {
+    const WAIT: &str = r#"{"on_conflict":"wait","wait_max_ms":5000,"store":{"kind":"etcd","cluster":"etcd"}}"#;
+    let mut m = Model::new();
+    let (mut a, mut b) = (replica(WAIT, 1), replica(WAIT, 2));
+    let (_, effects) = send(&mut a, 1, &post("k", "{}"), 0);
+    let calls = dispatched(&settle(&mut a, &mut m, effects, 0));
+    assert_eq!(calls.len(), 1, "A's first call goes upstream");
+    let (flow, effects) = send(&mut b, 7, &post("k", "{}"), 10);
+    assert_eq!(flow, Flow::Pause);
+    let effects = settle(&mut b, &mut m, effects, 10);
+    assert!(replies(&effects).is_empty(), "held: {effects:?}");
+    assert_eq!(count(&effects, Counter::Waited), 1);
+    let (from, proposals) = (m.log.len(), m.proposals);
+    for t in (30..1_000).step_by(20) {
+        b.on_tick(t);
+        let effects = b.take_effects();
+        assert!(replies(&settle(&mut b, &mut m, effects, t)).is_empty(), "still held at {t}");
+    }
+    let polls = m.log.get(from..).unwrap_or_default().to_vec();
+    assert!(polls.len() >= 8, "{polls:?}");
+    assert!(polls.iter().all(|k| *k == "Range"), "{polls:?}");
+    assert_eq!(m.proposals, proposals, "a poll proposed");
+    a.on_call_answer(&upstream_answer("201", "made"), calls[0].0, true, 4, 1_000);
+    let effects = a.take_effects();
+    let sent = replies(&settle(&mut a, &mut m, effects, 1_000));
+    assert_eq!(sent.iter().map(|(id, r)| (*id, status_of(r))).collect::<Vec<_>>(), vec![(1, 201)]);
+    let (from, proposals) = (m.log.len(), m.proposals);
+    let mut replayed = Vec::new();
+    for t in (1_000..1_300).step_by(20) {
+        b.on_tick(t);
+        let effects = b.take_effects();
+        replayed.extend(replies(&settle(&mut b, &mut m, effects, t)));
+    }
+    assert!(matches!(&replayed[..], [(7, Reply::Stored { replayed: true, .. })]), "{replayed:?}");
+    assert_eq!(m.log.get(from..).unwrap_or_default(), ["Range"]);
+    assert_eq!(m.proposals, proposals);
+}

@@ -161,9 +161,34 @@ pub struct Report {
     pub requests: usize,
     pub effects: usize,
     pub events: usize,
+    /// What the etcd clusters handled: reads (Range), transactions, and raft proposals (lease
+    /// grants and transactions that write in either branch).
+    pub etcd: EtcdCalls,
     pub violations: Vec<check::Violation>,
     /// The run's trace, when asked for.
     pub trace: Vec<String>,
+}
+
+/// Requests the etcd clusters of a run handled.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct EtcdCalls {
+    pub reads: usize,
+    pub txns: usize,
+    pub proposals: usize,
+}
+
+impl std::ops::AddAssign for EtcdCalls {
+    fn add_assign(&mut self, other: EtcdCalls) {
+        self.reads += other.reads;
+        self.txns += other.txns;
+        self.proposals += other.proposals;
+    }
+}
+
+impl std::fmt::Display for EtcdCalls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "etcd {} reads, {} txns, {} proposals", self.reads, self.txns, self.proposals)
+    }
 }
 
 /// Runs one seed of one combination.

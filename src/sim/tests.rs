@@ -18,18 +18,20 @@ fn every_combination_keeps_every_invariant() {
     let mut failures = Vec::new();
     let mut requests = 0;
     for combo in Combo::all() {
-        let (mut combo_requests, mut combo_effects) = (0, 0);
+        let (mut combo_requests, mut combo_effects, mut combo_etcd) = (0, 0, EtcdCalls::default());
         for seed in 0..seeds {
             let report = run(seed, combo, false);
             combo_requests += report.requests;
             combo_effects += report.effects;
+            combo_etcd += report.etcd;
             for v in report.violations {
                 failures.push(format!("SEED={seed} COMBO={} {v}", combo.name()));
             }
         }
         requests += combo_requests;
+        let etcd = if combo.is_etcd() { format!(", {combo_etcd}") } else { String::new() };
         eprintln!(
-            "sim {}: seeds 0..{seeds}, {combo_requests} requests, {combo_effects} upstream effects",
+            "sim {}: seeds 0..{seeds}, {combo_requests} requests, {combo_effects} upstream effects{etcd}",
             combo.name()
         );
     }
@@ -61,12 +63,13 @@ fn one_seed() {
             }
         }
         println!(
-            "SEED={seed} COMBO={}: {} requests, {} upstream effects, {} events, {:.1} ms",
+            "SEED={seed} COMBO={}: {} requests, {} upstream effects, {} events, {:.1} ms{}",
             combo.name(),
             report.requests,
             report.effects,
             report.events,
-            start.elapsed().as_secs_f64() * 1e3
+            start.elapsed().as_secs_f64() * 1e3,
+            if combo.is_etcd() { format!(", {}", report.etcd) } else { String::new() }
         );
         for v in &report.violations {
             println!("  VIOLATION {v}");

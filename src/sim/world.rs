@@ -1219,8 +1219,14 @@ impl World {
                 self.check.fail("store_hammered", self.now, detail);
             }
         }
+        let mut etcd = super::EtcdCalls::default();
+        for m in &self.etcd {
+            let handled = |method: &str| m.requests.get(method).copied().unwrap_or(0);
+            etcd += super::EtcdCalls { reads: handled("Range"), txns: handled("Txn"), proposals: m.proposals };
+        }
         Report {
             requests: self.reqs.len(),
+            etcd,
             effects: self.flights.iter().filter(|f| !f.loopback && f.state != FlightState::Fenced).count(),
             events: self.events,
             violations: self.check.violations,

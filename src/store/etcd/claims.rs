@@ -1,4 +1,5 @@
-//! A request's claim on etcd: the transaction, and what its answer says (SPEC §3.2–3.5).
+//! A request's claim on etcd: the read that comes first, the transaction when the key is
+//! absent or expired, and what their answers say (docs/fleet.md, docs/how-it-works.md).
 
 use std::rc::Rc;
 
@@ -9,6 +10,38 @@ use crate::store::{Answer, Began, Owner};
 use crate::table::{decide_entry, Change, Decision, StoreError};
 
 impl EtcdStore {
+    /// A request's first step: read the key. etcd serves a Range without a raft proposal
+    /// (a linearizable read confirms the leader with ReadIndex, it does not propose), so a
+    /// key in progress or completed (a 409, a replay, a 422, a wait-mode poll) costs etcd no
+    /// write. An absent key goes on to the claim, an expired one to the takeover. Needs no
+    /// lease: a stored answer replays while no lease can be had (etcd out of space).
+    pub(super) fn send_look(&mut self, round: Round, now: u64) {
+        let request = Request::Range { key: round.key.clone() };
+        let who = round.who;
+        if !self.send(request, Op::Look { round }, now) {
+            self.answer(who, Began::Unavailable);
+        }
+    }
+
+    /// What the first read found: an entry is judged (an expired one is taken over), an
+    /// absent key is claimed. A failed read wrote nothing: nothing to clean up.
+    pub(super) fn on_look(&mut self, round: Round, answer: &crate::store::CallAnswer, now: u64) {
+        match self.link.api.parse_range(answer) {
+            Ok(Some(kv)) => self.judge_existing(round, kv, now, true),
+            // Claimed once a VM lease is at hand (`pump`), as a takeover is.
+            Ok(None) => self.rounds.push_back(Round { takeover: None, ..round }),
+            Err(err) => {
+                log::warn!("etcd: read failed: {err:?}");
+                self.answer(round.who, Began::Unavailable);
+            }
+        }
+    }
+
+    /// The claim (compare: absent) or takeover (compare: the expired entry's `mod_revision`)
+    /// of a key its read found absent or expired. The compare decides: a replica that wrote
+    /// the key since the read wins, and this transaction's read-back is judged instead. That
+    /// failed transaction is still a raft proposal (etcd serves a transaction as a read only
+    /// when neither branch writes, and the success branch puts): only this rare race pays it.
     pub(super) fn send_claim(&mut self, round: Round, lease: i64, now: u64) {
         let entry = Entry {
             state: State::InProgress,
@@ -58,14 +91,17 @@ impl EtcdStore {
         match result {
             Ok(TxnResult { succeeded: true, revision, .. }) => self.claimed(round, value, entry, revision, now),
             Ok(TxnResult { current: None, .. }) => {
-                // The key vanished between compare and read (released, or its lease ended).
+                // The key vanished between compare and read (released, or its lease ended):
+                // claimed again at once, without another read.
                 round.takeover = None;
                 self.next_round(round);
             }
             Ok(TxnResult { current: Some(kv), .. }) => self.judge_existing(round, kv, now, true),
             Err(err) if err.kind() == ErrorKind::NoSpace => {
                 // etcd refuses writes, reads still work: a stored answer replays, an in-progress
-                // mark still conflicts; a new key cannot be claimed (on_unavailable).
+                // mark still conflicts; a new key cannot be claimed (on_unavailable). The key
+                // was absent or expired when read; it is read again, in case another replica
+                // wrote it since.
                 self.note_no_space(&err, now);
                 let request = Request::Range { key: round.key.clone() };
                 let who = round.who;
@@ -205,7 +241,7 @@ impl EtcdStore {
         self.answer(round.who, began);
     }
 
-    /// A read after a claim refused for lack of space.
+    /// A read after a claim refused for lack of space: judged, never written.
     pub(super) fn on_read(&mut self, round: Round, answer: &crate::store::CallAnswer, now: u64) {
         match self.link.api.parse_range(answer) {
             Ok(Some(kv)) => self.judge_existing(round, kv, now, false),

@@ -3,7 +3,10 @@
 //! backoff are kept here. The host adapter sends the calls from the root context, so answers
 //! reach us even when a client's stream has ended (SPEC §4).
 //!
-//! One etcd key per idempotency key. A claim is one transaction (create if absent, else read);
+//! One etcd key per idempotency key. A request reads the key first (a Range, which etcd serves
+//! without a raft proposal): a key in progress or completed is answered from that read alone,
+//! so a duplicate, a replay or a wait-mode poll writes nothing. Only an absent key is claimed,
+//! by one transaction (create if absent, else read back), and only an expired one taken over;
 //! a takeover, renewal, completion or release compares the key's `mod_revision` with the one
 //! this owner last wrote, and when the compare fails, the key's value says whether the write
 //! that moved it on was ours (applied, not acknowledged) or another owner's. Marks ride one
@@ -47,7 +50,8 @@ const NO_SPACE_LOG_MS: u64 = 60_000;
 /// How often a held request (wait mode) asks etcd again.
 const WAIT_POLL_MS: u64 = 100;
 
-/// One round of a request's claim (a first claim, or a takeover of an expired entry).
+/// One round of a request's claim: its first read, then a claim of the key found absent or
+/// a takeover of the entry found expired.
 struct Round {
     who: For,
     store_key: StoreKey,
@@ -87,6 +91,10 @@ struct EtcdOwner {
 }
 
 enum Op {
+    /// A request's first look at its key: every request starts with it.
+    Look {
+        round: Round,
+    },
     Claim {
         round: Round,
         value: Vec<u8>,
@@ -166,6 +174,8 @@ pub struct EtcdStore {
     retention_pending: HashSet<u64>,
     owners: IdMap<u64, EtcdOwner>,
     next_owner: u64,
+    /// Rounds that read their key and now write it (a claim or a takeover): each waits for a
+    /// usable VM lease.
     rounds: VecDeque<Round>,
     inflight: IdMap<u64, Op>,
     outbox: VecDeque<(u64, CallRequest)>,
@@ -453,7 +463,11 @@ impl Store for EtcdStore {
             attempts: 0,
             takeover: None,
         };
-        self.rounds.push_back(round);
+        // Read first, always: this VM cannot know whether another replica holds the key (a
+        // retry landing on another replica is the common duplicate), so skipping the read
+        // for keys it has not seen would make those duplicates transactions again. A first
+        // call pays one round trip more (the read, then the claim).
+        self.send_look(round, now_ms);
         self.pump(now_ms);
         None
     }

@@ -27,6 +27,13 @@ pub struct Model {
     pub no_space: bool,
     /// Requests handled, by method.
     pub requests: HashMap<String, usize>,
+    /// Every request handled, in order: its method.
+    pub log: Vec<&'static str>,
+    /// The requests etcd would put through raft (a proposal, an fsync): lease grants, and
+    /// transactions with a write in either branch, whichever branch runs (etcd serves a
+    /// transaction as a read only when neither branch writes). Ranges are read through
+    /// ReadIndex, without a proposal. Requests refused for lack of space are not proposed.
+    pub proposals: usize,
     /// The TTL of every lease granted, in order.
     pub granted_ttls: Vec<i64>,
 }
@@ -53,6 +60,7 @@ impl Model {
         self.expire(now);
         let CallKind::Grpc { method, .. } = &request.kind else { return error(12, "not a gRPC call") };
         *self.requests.entry(method.to_string()).or_default() += 1;
+        self.log.push(*method);
         let body = request.body.as_slice();
         match *method {
             "Txn" => match pb::TxnRequest::decode(body) {
@@ -69,6 +77,7 @@ impl Model {
                 self.next_lease += 1;
                 self.granted_ttls.push(ttl);
                 self.leases.insert(self.next_lease, now + ttl as u64 * 1000);
+                self.proposals += 1;
                 ok(pb::LeaseGrantResponse { header: self.header(), id: self.next_lease, ttl, error: String::new() })
             }
             _ => error(12, "unknown method"),
@@ -130,6 +139,10 @@ impl Model {
         let puts = |ops: &[pb::RequestOp]| ops.iter().any(|op| matches!(op.request, Some(pb::Op::Put(_))));
         if self.no_space && (puts(&txn.success) || puts(&txn.failure)) {
             return no_space();
+        }
+        let writes = |ops: &[pb::RequestOp]| ops.iter().any(|op| !matches!(op.request, Some(pb::Op::Range(_)) | None));
+        if writes(&txn.success) || writes(&txn.failure) {
+            self.proposals += 1;
         }
         let mut responses = Vec::new();
         for op in if succeeded { &txn.success } else { &txn.failure } {

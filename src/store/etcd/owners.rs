@@ -12,6 +12,7 @@ impl EtcdStore {
     pub(super) fn on_answer(&mut self, op: Op, answer: &CallAnswer, now: u64) {
         let api = self.link.api;
         match op {
+            Op::Look { round } => self.on_look(round, answer, now),
             Op::Claim { round, value, entry } => self.on_claim(round, value, entry, api.parse_txn(answer), now),
             Op::Read { round } => self.on_read(round, answer, now),
             Op::Verify { round, id, value, entry } => {

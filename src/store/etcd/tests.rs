@@ -257,8 +257,9 @@ fn out_of_space_stored_answers_replay_and_new_keys_are_unavailable() {
     s.begin(For::Stream(3), &claim("new"), 30);
     run(&mut s, &mut m, 30);
     assert!(matches!(began(&mut s), Began::Unavailable));
+    // Only the new key's claim was refused: the replay read the key and wrote nothing.
     let counts: Vec<Counter> = std::iter::from_fn(|| s.poll_count()).collect();
-    assert_eq!(counts, vec![Counter::StoreNoSpace, Counter::StoreNoSpace]);
+    assert_eq!(counts, vec![Counter::StoreNoSpace]);
 }
 
 /// The VM lease is never kept alive: a new one is granted every quarter of its TTL, and a
@@ -290,7 +291,8 @@ fn the_lease_a_mark_rides_outlives_its_deadline() {
 fn without_a_fresh_lease_no_mark_is_written() {
     let (mut s, mut m) = (store(1), Model::new());
     claimed(&mut s, &mut m, "a", 0);
-    // From now on etcd applies what it gets but no answer comes back: no new lease arrives.
+    // From now on etcd applies the transactions it gets but no answer to a write comes back:
+    // no new lease arrives. Reads are answered (each request reads its key first).
     let mut claims = 0;
     for t in (100..20_000u64).step_by(100) {
         if t % 1_000 == 0 {
@@ -298,6 +300,11 @@ fn without_a_fresh_lease_no_mark_is_written() {
         }
         s.tick(t);
         while let Some((n, request)) = s.poll_call() {
+            if matches!(request.kind, CallKind::Grpc { method: "Range", .. }) {
+                let answer = m.handle(&request, t);
+                s.on_call_answer(n, &answer, t);
+                continue;
+            }
             if matches!(request.kind, CallKind::Grpc { method: "Txn", .. }) {
                 claims += 1;
                 let before = m.keys();
@@ -340,7 +347,7 @@ fn completed_entries_seen_before_replay_without_a_round_trip() {
     a.complete(owner, Some(response("one")), RETENTION, 10);
     run(&mut a, &mut m, 10);
     completed(&mut a);
-    let txns = m.requests.get("Txn").copied();
+    let (txns, reads) = (m.requests.get("Txn").copied(), m.requests.get("Range").copied());
     match a.begin(For::Stream(3), &claim("k"), 20) {
         Some(Answer::Began(Began::Replay(r))) => assert_eq!(r.body(), b"one"),
         other => panic!("A answers from its copy at once: {other:?}"),
@@ -352,7 +359,8 @@ fn completed_entries_seen_before_replay_without_a_round_trip() {
     let other_body = Claim { fingerprint: Fingerprint([9; 16]), ..claim("k") };
     assert!(matches!(b.begin(For::Stream(5), &claim("k"), 40), Some(Answer::Began(Began::Replay(_)))));
     assert!(matches!(b.begin(For::Stream(6), &other_body, 41), Some(Answer::Began(Began::Mismatch))));
-    assert_eq!(m.requests.get("Txn").copied(), txns.map(|n| n + 1), "one round trip: B's first read");
+    assert_eq!(m.requests.get("Txn").copied(), txns, "no transaction");
+    assert_eq!(m.requests.get("Range").copied(), reads.map(|n| n + 1), "one round trip: B's first read");
     let counts: Vec<Counter> = std::iter::from_fn(|| b.poll_count()).collect();
     assert_eq!(counts, vec![Counter::LocalReplay, Counter::LocalReplay]);
     // Past its retention the copy is gone: etcd decides (the key may be claimed anew).
@@ -719,4 +727,141 @@ fn a_completion_refused_for_space_lands_before_its_mark_expires_once_space_is_ba
             "seed {seed}, space back at {space_back}: stored at {stored_at}, after the deadline"
         );
     }
+}
+
+/// A store whose VM lease and retention lease are granted already: what it sends next is the
+/// requests' own calls, no grant among them.
+fn warm(seed: u64, m: &mut Model) -> EtcdStore {
+    let mut s = store(seed);
+    s.tick(0);
+    run(&mut s, m, 0);
+    assert!(answers(&mut s).is_empty());
+    s
+}
+
+/// The methods `m` handled since `from` (an index in its log).
+fn sent_since(m: &Model, from: usize) -> Vec<&'static str> {
+    m.log.get(from..).unwrap_or_default().to_vec()
+}
+
+/// A duplicate of a call in progress (409) and a replay of a completed one (without a local
+/// copy) read the key and nothing else: one Range each, no transaction, no proposal. Before,
+/// each was a claim transaction whose compare failed, which etcd proposes through raft all
+/// the same (its success branch writes).
+#[test]
+fn a_duplicate_and_a_replay_cost_etcd_one_read_and_no_proposal() {
+    let mut m = Model::new();
+    let mut a = warm(1, &mut m);
+    let mut b = warm(2, &mut m);
+    let owner = claimed(&mut a, &mut m, "k", 10);
+    for t in [20, 30, 40] {
+        let (from, proposals) = (m.log.len(), m.proposals);
+        b.begin(For::Stream(2), &claim("k"), t);
+        run(&mut b, &mut m, t);
+        assert!(matches!(began(&mut b), Began::InProgress));
+        assert_eq!(sent_since(&m, from), vec!["Range"], "a 409 at {t}");
+        assert_eq!(m.proposals, proposals, "a 409 at {t} proposed");
+    }
+    a.complete(owner, Some(response("one")), RETENTION, 50);
+    run(&mut a, &mut m, 50);
+    completed(&mut a);
+    for t in [60, 70] {
+        let (from, proposals) = (m.log.len(), m.proposals);
+        b.begin(For::Stream(3), &claim("k"), t);
+        run(&mut b, &mut m, t);
+        match began(&mut b) {
+            Began::Replay(r) => assert_eq!(r.body(), b"one"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(sent_since(&m, from), vec!["Range"], "a replay at {t}");
+        assert_eq!(m.proposals, proposals, "a replay at {t} proposed");
+    }
+    // A 422 (same key, another body) reads only, too.
+    let (from, proposals) = (m.log.len(), m.proposals);
+    b.begin(For::Stream(4), &Claim { fingerprint: Fingerprint([2; 16]), ..claim("k") }, 80);
+    run(&mut b, &mut m, 80);
+    assert!(matches!(began(&mut b), Began::Mismatch));
+    assert_eq!((sent_since(&m, from), m.proposals), (vec!["Range"], proposals));
+    assert!(b.is_idle());
+}
+
+/// A first call reads the key, finds it absent, then claims it with the transaction (compare
+/// absent): one round trip more than the claim alone, and one proposal, the claim's.
+#[test]
+fn a_first_call_reads_then_claims() {
+    let mut m = Model::new();
+    let mut s = warm(1, &mut m);
+    let (from, proposals) = (m.log.len(), m.proposals);
+    let owner = claimed(&mut s, &mut m, "k", 10);
+    assert_eq!(sent_since(&m, from), vec!["Range", "Txn"]);
+    assert_eq!(m.proposals, proposals + 1);
+    assert!(owner.fence > 0);
+}
+
+/// A held request (wait mode) asks the store again every `WAIT_POLL_MS` through `begin`, as
+/// a duplicate does: while the first call runs, every poll is a Range only.
+#[test]
+fn a_wait_poll_of_a_call_in_progress_is_a_read() {
+    let mut m = Model::new();
+    let mut a = warm(1, &mut m);
+    let mut b = warm(2, &mut m);
+    claimed(&mut a, &mut m, "k", 10);
+    let (from, proposals) = (m.log.len(), m.proposals);
+    for t in (100..1_000).step_by(super::WAIT_POLL_MS as usize) {
+        b.begin(For::Stream(7), &claim("k"), t);
+        run(&mut b, &mut m, t);
+        assert!(matches!(began(&mut b), Began::InProgress));
+    }
+    assert_eq!(sent_since(&m, from), vec!["Range"; 9]);
+    assert_eq!(m.proposals, proposals);
+}
+
+/// The claim stays atomic: another replica claims the key between this one's read (absent)
+/// and its claim. The claim's compare fails, its read-back shows the other's mark: 409, one
+/// owner.
+#[test]
+fn a_key_claimed_between_the_read_and_the_claim_has_one_owner() {
+    let mut m = Model::new();
+    let mut a = warm(1, &mut m);
+    let mut b = warm(2, &mut m);
+    a.begin(For::Stream(1), &claim("k"), 10);
+    let (n, read) = a.poll_call().expect("A's read");
+    assert!(matches!(read.kind, CallKind::Grpc { method: "Range", .. }), "{read:?}");
+    let absent = m.handle(&read, 10);
+    let b_owner = claimed(&mut b, &mut m, "k", 11);
+    a.on_call_answer(n, &absent, 12);
+    let (n, txn) = a.poll_call().expect("A's claim");
+    assert!(matches!(txn.kind, CallKind::Grpc { method: "Txn", .. }), "{txn:?}");
+    let lost = m.handle(&txn, 12);
+    a.on_call_answer(n, &lost, 12);
+    run(&mut a, &mut m, 12);
+    assert!(matches!(began(&mut a), Began::InProgress), "B holds it as {b_owner:?}");
+    assert_eq!(m.keys().iter().filter(|k| k.starts_with(b"/t/")).count(), 1);
+    assert!(a.is_idle());
+}
+
+/// The same race on an expired mark: both replicas read it expired, B takes it over first;
+/// A's takeover (compare mod_revision) fails and reads B's mark back: 409, one owner.
+#[test]
+fn an_expired_mark_taken_over_between_the_read_and_the_takeover_has_one_owner() {
+    let mut m = Model::new();
+    let mut old = warm(3, &mut m);
+    claimed(&mut old, &mut m, "k", 0); // its VM stops: the mark is never renewed
+    let t = LEASE + 100; // the mark's deadline passed (its lease lives on: 2 x LEASE)
+    let mut a = store(1);
+    let mut b = store(2);
+    for s in [&mut a, &mut b] {
+        s.tick(t);
+        run(s, &mut m, t);
+    }
+    a.begin(For::Stream(1), &claim("k"), t);
+    let (n, read) = a.poll_call().expect("A's read");
+    assert!(matches!(read.kind, CallKind::Grpc { method: "Range", .. }), "{read:?}");
+    let expired = m.handle(&read, t);
+    let b_owner = claimed(&mut b, &mut m, "k", t + 1);
+    a.on_call_answer(n, &expired, t + 2);
+    run(&mut a, &mut m, t + 2);
+    assert!(matches!(began(&mut a), Began::InProgress), "B took it over as {b_owner:?}");
+    let txns: Vec<&str> = m.log.iter().copied().filter(|k| *k == "Txn").collect();
+    assert_eq!(txns.len(), 3, "the first claim, B's takeover, A's failed takeover: {:?}", m.log);
 }
