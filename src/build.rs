@@ -6,6 +6,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use crate::config::{Config, StoreConfig};
+use crate::ledger::{Share, WriteBudget};
 use crate::lifecycle::Lifecycle;
 use crate::store::etcd::replays::{LocalReplays, Replays};
 use crate::store::etcd::shards::Shards;
@@ -51,12 +52,22 @@ pub fn lifecycle<K: SharedKv + Clone + 'static>(
                 timeout_ms: cfg.timeout_ms,
                 api_fallback: cfg.api_fallback,
             };
+            let longest_retention_ms = retentions.iter().max().copied().unwrap_or(86_400).saturating_mul(1000);
+            let share: Option<Rc<dyn Share>> = (cfg.write_budget_bytes > 0).then(|| {
+                let budget =
+                    WriteBudget::new(kv.clone(), &config.namespace, cfg.write_budget_bytes, longest_retention_ms);
+                Rc::new(budget) as Rc<dyn Share>
+            });
             let replays = match cfg.local_replays {
                 true => Some(local_replays(&config, kv, random)?),
                 false => None,
             };
             let mut store = |cluster: &String| {
-                let store = EtcdStore::new(link(cluster), &config.namespace, max_lease, retentions.clone(), random());
+                let mut store =
+                    EtcdStore::new(link(cluster), &config.namespace, max_lease, retentions.clone(), random());
+                if let Some(share) = &share {
+                    store = store.with_share(share.clone());
+                }
                 match &replays {
                     Some(r) => store.with_replays(r.clone()),
                     None => store,

@@ -22,6 +22,11 @@ pub fn u64_at(bytes: &[u8], at: usize) -> u64 {
     bytes.get(at..at.saturating_add(8)).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes)
 }
 
+/// The little-endian `u32` at `at` in `bytes`; 0 when fewer than 4 bytes are there.
+pub fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    bytes.get(at..at.saturating_add(4)).and_then(|b| <[u8; 4]>::try_from(b).ok()).map_or(0, u32::from_le_bytes)
+}
+
 /// An 8-byte chunk as one word (`chunks_exact(8)` yields only those).
 fn word(chunk: &[u8]) -> u64 {
     u64_at(chunk, 0)

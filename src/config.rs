@@ -84,7 +84,15 @@ pub struct EtcdConfig {
     /// Each Envoy keeps copies of the completed entries it has seen, in its shared data
     /// (bounded by `capacity` and `max_store_bytes`), and replays them without a round trip.
     pub local_replays: bool,
+    /// The bytes this Envoy may add to etcd lately (its write ledger: the last `retention_s`
+    /// and a third more); past it, the callers that wrote the most get 429 for new keys.
+    /// 0: no budget.
+    pub write_budget_bytes: u64,
 }
+
+/// The default write budget: a default etcd (2 GiB quota) stays out of `NOSPACE` with up to
+/// four Envoys writing theirs in full (docs/fleet.md, "The fleet's share of etcd").
+pub const DEFAULT_WRITE_BUDGET_BYTES: u64 = 256 << 20;
 
 /// Which of etcd's two client APIs the store speaks; both are served on etcd's client port.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -620,6 +628,7 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>, notices: &mut Vec<String>
     let mut local_replays = true;
     let mut timeout_ms = 1_000;
     let mut on_unavailable = OnUnavailable::Reject;
+    let mut write_budget_bytes = DEFAULT_WRITE_BUDGET_BYTES;
     for (name, v) in map {
         let field = format!("{f}.{name}");
         match name.as_str() {
@@ -636,6 +645,7 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>, notices: &mut Vec<String>
                 }
             }
             "timeout_ms" => timeout_ms = int(&field, v, 1, 60_000)?,
+            "write_budget_bytes" => write_budget_bytes = int(&field, v, 0, 1 << 40)?,
             "on_unavailable" => {
                 on_unavailable = match string(&field, v)? {
                     "reject" => OnUnavailable::Reject,
@@ -674,6 +684,7 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>, notices: &mut Vec<String>
         timeout_ms,
         on_unavailable,
         local_replays,
+        write_budget_bytes,
     }))
 }
 
@@ -975,8 +986,14 @@ mod tests {
                 timeout_ms: 1000,
                 on_unavailable: OnUnavailable::Pass,
                 local_replays: true,
+                write_budget_bytes: DEFAULT_WRITE_BUDGET_BYTES,
             })
         );
+        let off = parse(r#"{"store":{"kind":"etcd","cluster":"e","write_budget_bytes":0}}"#).unwrap();
+        let StoreConfig::Etcd(e) = off.store else { panic!("etcd") };
+        assert_eq!(e.write_budget_bytes, 0);
+        let err = parse(r#"{"store":{"kind":"etcd","cluster":"e","write_budget_bytes":-1}}"#).unwrap_err();
+        assert!(err.to_string().contains("store.write_budget_bytes"), "{err}");
         let c = parse(r#"{"store":{"kind":"etcd","clusters":["a","b"],"api":"json"}}"#).unwrap();
         let StoreConfig::Etcd(e) = c.store else { panic!("etcd") };
         assert_eq!((e.clusters, e.api), (vec!["a".to_string(), "b".to_string()], Api::Json));

@@ -78,12 +78,12 @@ impl GrpcAnswer {
             (409, _) => FAILED_PRECONDITION, // completed, its response not stored
             (400 | 422, _) => INVALID_ARGUMENT,
             (401, _) => UNAUTHENTICATED,
-            (413, _) => RESOURCE_EXHAUSTED,
+            (413 | 429, _) => RESOURCE_EXHAUSTED,
             (500, _) => INTERNAL,
             _ => UNAVAILABLE, // store full or unavailable, upstream gone: no work done
         };
         let mut metadata = Vec::new();
-        if let (ABORTED, Some(seconds)) = (code, p.retry_after) {
+        if let (ABORTED | RESOURCE_EXHAUSTED, Some(seconds)) = (code, p.retry_after) {
             metadata.push(("grpc-retry-pushback-ms".to_string(), (seconds * 1000).to_string().into_bytes()));
             metadata.push(("grpc-status-details-bin".to_string(), retry_details(code, p.title(), seconds)));
         }
@@ -235,6 +235,20 @@ mod tests {
         assert_eq!(status.details[0].type_url, "type.googleapis.com/google.rpc.RetryInfo");
         let info = RetryInfo::decode(status.details[0].value.as_slice()).unwrap();
         assert_eq!(info.retry_delay, Some(Duration { seconds: 2, nanos: 0 }));
+    }
+
+    #[test]
+    fn a_callers_full_share_is_resource_exhausted_with_its_pushback() {
+        let a = GrpcAnswer::for_problem(&Problem::share_full(90));
+        assert_eq!(a.code, RESOURCE_EXHAUSTED);
+        assert_eq!(a.metadata[0], ("grpc-retry-pushback-ms".to_string(), b"90000".to_vec()));
+        let raw = base64::engine::general_purpose::STANDARD_NO_PAD.decode(&a.metadata[1].1).unwrap();
+        let status = RpcStatus::decode(raw.as_slice()).unwrap();
+        assert_eq!(status.code, 8);
+        let info = RetryInfo::decode(status.details[0].value.as_slice()).unwrap();
+        assert_eq!(info.retry_delay, Some(Duration { seconds: 90, nanos: 0 }));
+        // A body over the limit is resource-exhausted too, and not retried.
+        assert!(GrpcAnswer::for_problem(&Problem::body_too_large(10)).metadata.is_empty());
     }
 
     #[test]

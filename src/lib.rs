@@ -21,6 +21,7 @@ pub mod header_map;
 pub mod host;
 pub mod ids;
 pub mod key;
+pub mod ledger;
 pub mod lifecycle;
 pub mod metrics;
 pub mod problem;

@@ -27,10 +27,11 @@ pub enum Counter {
     CompletionUnacknowledged,
     LocalReplay,
     EvictedBelowShare,
+    ShareFull,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 23] = [
+    pub const ALL: [Counter; 24] = [
         Counter::Claimed,
         Counter::Replayed,
         Counter::Conflict,
@@ -54,6 +55,7 @@ impl Counter {
         Counter::CompletionUnacknowledged,
         Counter::LocalReplay,
         Counter::EvictedBelowShare,
+        Counter::ShareFull,
     ];
 
     pub fn name(self) -> &'static str {
@@ -77,6 +79,7 @@ impl Counter {
             Counter::UpstreamFailed => "idempotency.upstream_failed",
             Counter::Evicted => "idempotency.evicted",
             Counter::EvictedBelowShare => "idempotency.evicted_below_share",
+            Counter::ShareFull => "idempotency.share_full",
             Counter::ScopeMissing => "idempotency.scope_missing",
             Counter::StoreNoSpace => "idempotency.store_no_space",
             Counter::CompletionUnacknowledged => "idempotency.completion_unacknowledged",
@@ -105,10 +108,12 @@ pub enum Gauge {
     /// holding the most entries, in thousandths; counted by the sweep, one pass at a time.
     HeaviestCallerEntries,
     HeaviestCallerBytes,
+    /// etcd: the bytes this Envoy wrote lately by its write ledger (`write_budget_bytes`).
+    WriteBudgetUsed,
 }
 
 impl Gauge {
-    pub const ALL: [Gauge; 10] = [
+    pub const ALL: [Gauge; 11] = [
         Gauge::InProgress,
         Gauge::Completed,
         Gauge::StoredBytes,
@@ -119,6 +124,7 @@ impl Gauge {
         Gauge::ConfigMaxResponseBytes,
         Gauge::HeaviestCallerEntries,
         Gauge::HeaviestCallerBytes,
+        Gauge::WriteBudgetUsed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -133,6 +139,7 @@ impl Gauge {
             Gauge::ConfigMaxResponseBytes => "idempotency.config_max_response_bytes",
             Gauge::HeaviestCallerEntries => "idempotency.heaviest_caller_entries_permille",
             Gauge::HeaviestCallerBytes => "idempotency.heaviest_caller_bytes_permille",
+            Gauge::WriteBudgetUsed => "idempotency.write_budget_used_bytes",
         }
     }
 }

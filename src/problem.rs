@@ -123,6 +123,17 @@ impl Problem {
         )
     }
 
+    /// A fleet Envoy's share of etcd is full and this caller wrote the most of it lately.
+    pub fn share_full(retry_after_s: u64) -> Problem {
+        Problem::new(
+            429,
+            "share-full",
+            "This caller's share of the idempotency store is full",
+            "This gateway's share of the idempotency store is full, and this caller wrote the most of it lately; no work was done. Requests with keys already stored still replay.".into(),
+            Some(retry_after_s),
+        )
+    }
+
     pub fn store_unavailable(retry_after_s: u64) -> Problem {
         Problem::new(
             503,

@@ -69,8 +69,9 @@ def describe(resp):
     return f"{resp.status} {resp.headers} {resp.body[:400]!r}"
 
 
-def problem(resp, status, slug, retryable, title=None):
-    """Asserts resp is the plugin's problem+json with these fields; returns the parsed body."""
+def problem(resp, status, slug, retryable, title=None, retry_after=1):
+    """Asserts resp is the plugin's problem+json with these fields; returns the parsed body.
+    `retry_after` None: any positive number of seconds, the same in the header."""
     assert resp.status == status, describe(resp)
     assert resp.header_all("content-type") == ["application/problem+json"], describe(resp)
     assert resp.header("idempotent-replayed") is None, describe(resp)
@@ -85,8 +86,11 @@ def problem(resp, status, slug, retryable, title=None):
         assert body["title"] == title, body
     assert isinstance(body["detail"], str) and body["detail"], body
     if retryable:
-        assert body["retry_after"] == 1, body
-        assert resp.header_all("retry-after") == ["1"], describe(resp)
+        if retry_after is None:
+            assert isinstance(body["retry_after"], int) and body["retry_after"] > 0, body
+        else:
+            assert body["retry_after"] == retry_after, body
+        assert resp.header_all("retry-after") == [str(body["retry_after"])], describe(resp)
     else:
         assert resp.header("retry-after") is None, describe(resp)
     return body

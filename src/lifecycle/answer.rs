@@ -149,6 +149,9 @@ impl<S: Store> Lifecycle<S> {
             Began::CompletedWithoutBody => self.refuse(id, Counter::Conflict, Problem::completed_without_response()),
             Began::Mismatch => self.refuse(id, Counter::FingerprintMismatch, Problem::fingerprint_mismatch()),
             Began::Full => self.refuse(id, Counter::StoreFull, Problem::store_full(retry_after_s)),
+            Began::OverShare { retry_after_s } => {
+                self.refuse(id, Counter::ShareFull, Problem::share_full(retry_after_s))
+            }
             Began::Failed(e) => {
                 log::warn!("store error {e:?}");
                 self.refuse(id, Counter::StoreError, Problem::store_unavailable(retry_after_s))
@@ -315,6 +318,7 @@ pub(super) fn describe(began: &Began) -> String {
         Began::CompletedWithoutBody => "completed without stored response: 409".into(),
         Began::Mismatch => "fingerprint mismatch: 422".into(),
         Began::Full => "store full: 503".into(),
+        Began::OverShare { .. } => "share full: 429".into(),
         Began::Failed(e) => format!("store error {e:?}: 503"),
         Began::Unavailable => "store unavailable".into(),
     }

@@ -22,6 +22,9 @@ impl<S: Store> Lifecycle<S> {
         if let Some(value) = report.effective_retention_ms {
             self.effects.push(Effect::SetGauge { gauge: crate::metrics::Gauge::EffectiveRetention, value });
         }
+        if let Some(value) = report.share_used_bytes {
+            self.effects.push(Effect::SetGauge { gauge: crate::metrics::Gauge::WriteBudgetUsed, value });
+        }
         if let Some(h) = report.heaviest {
             use crate::metrics::Gauge::{HeaviestCallerBytes, HeaviestCallerEntries};
             self.effects.push(Effect::SetGauge { gauge: HeaviestCallerEntries, value: h.entries_permille });

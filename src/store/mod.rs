@@ -51,6 +51,11 @@ pub enum Began {
     Mismatch,
     /// The key's part of the store holds nothing but live marks: 503.
     Full,
+    /// A new key of a caller that wrote the most of this Envoy's full share of the store:
+    /// 429, retry after this many seconds.
+    OverShare {
+        retry_after_s: u64,
+    },
     /// The store failed or holds a value the plugin cannot read: 503.
     Failed(StoreError),
     /// The store does not answer, or refuses writes for lack of space: `on_unavailable`.
@@ -159,6 +164,8 @@ pub struct TickReport {
     pub effective_retention_ms: Option<u64>,
     /// The heaviest caller of the table, when a sweep pass has just counted it.
     pub heaviest: Option<crate::table::Heaviest>,
+    /// etcd: what this Envoy wrote lately by its write ledger, when it changed.
+    pub share_used_bytes: Option<u64>,
 }
 
 /// The store's side of the request lifecycle. Every operation answers at once (`Some`) or

@@ -344,7 +344,7 @@ impl<S: SharedKv> Store for SharedStore<S> {
         if let Some(h) = &heaviest {
             self.tell_flood(h, now_ms);
         }
-        let mut report = TickReport { change, effective_retention_ms: None, heaviest };
+        let mut report = TickReport { change, heaviest, ..TickReport::default() };
         if now_ms >= self.next_report_ms {
             self.next_report_ms = now_ms + RETENTION_REPORT_MS;
             match self.table.note_evictions(now_ms, self.youngest_evicted_ms) {

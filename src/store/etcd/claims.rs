@@ -28,8 +28,12 @@ impl EtcdStore {
     pub(super) fn on_look(&mut self, round: Round, answer: &crate::store::CallAnswer, now: u64) {
         match self.link.api.parse_range(answer) {
             Ok(Some(kv)) => self.judge_existing(round, kv, now, true),
-            // Claimed once a VM lease is at hand (`pump`), as a takeover is.
-            Ok(None) => self.rounds.push_back(Round { takeover: None, ..round }),
+            // Claimed once a VM lease is at hand (`pump`), as a takeover is; unless this
+            // Envoy's share of etcd is full and this caller wrote the most of it.
+            Ok(None) => match self.over_share(round.caller, now) {
+                Some(refused) => self.answer(round.who, refused),
+                None => self.rounds.push_back(Round { takeover: None, ..round }),
+            },
             Err(err) => {
                 log::warn!("etcd: read failed: {err:?}");
                 self.answer(round.who, Began::Unavailable);
@@ -225,10 +229,13 @@ impl EtcdStore {
             self.keep_copy(&round.store_key, &entry, response.as_ref(), now);
         }
         let began = match decide_entry(Some(&entry), &round.fingerprint, now) {
-            Decision::Claim { .. } if writable => {
-                round.takeover = Some(kv.mod_revision);
-                return self.next_round(round);
-            }
+            Decision::Claim { .. } if writable => match self.over_share(round.caller, now) {
+                Some(refused) => refused,
+                None => {
+                    round.takeover = Some(kv.mod_revision);
+                    return self.next_round(round);
+                }
+            },
             Decision::Claim { .. } => Began::Unavailable,
             Decision::InProgress => Began::InProgress,
             Decision::Completed { no_body: false, .. } => match response {

@@ -29,6 +29,7 @@ pub(crate) mod model;
 mod tests;
 
 use crate::caller::Caller;
+use crate::ledger::{Share, Verdict};
 use std::collections::{HashSet, VecDeque};
 
 use crate::ids::IdMap;
@@ -40,13 +41,16 @@ use crate::encoding::{Entry, KeyTag, StoredResponse};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Counter;
-use protocol::{Api, Backoff, ErrorKind, EtcdError, Request, Target};
+use protocol::{Api, Backoff, ErrorKind, EtcdError, Request, Target, Write};
 use replays::Replays;
 
 /// Rounds of claim/takeover for one request before it is answered 503.
 const MAX_ROUNDS: u8 = 6;
 /// How often "etcd is out of space" is logged at most.
 const NO_SPACE_LOG_MS: u64 = 60_000;
+/// What a put costs etcd besides its key and value, counted by the write ledger: the
+/// revision's own key and metadata (docs/fleet.md, "The fleet's share of etcd").
+const PUT_OVERHEAD_BYTES: u64 = 64;
 /// How often a held request (wait mode) asks etcd again.
 const WAIT_POLL_MS: u64 = 100;
 
@@ -199,6 +203,11 @@ pub struct EtcdStore {
     random: u64,
     /// This Envoy's copies of completed entries (`store.local_replays`).
     replays: Option<Rc<RefCell<dyn Replays>>>,
+    /// This Envoy's write budget (`store.write_budget_bytes`), shared by its VMs and clusters.
+    share: Option<Rc<dyn Share>>,
+    share_logged_ms: u64,
+    /// The Envoy's writes lately, as last charged (for the gauge).
+    share_used: Option<u64>,
 }
 
 impl EtcdStore {
@@ -231,6 +240,51 @@ impl EtcdStore {
             next_call: 1,
             random: seed,
             replays: None,
+            share: None,
+            share_logged_ms: 0,
+            share_used: None,
+        }
+    }
+
+    /// Bounds what this Envoy adds to etcd by `share` (`store.write_budget_bytes`).
+    pub fn with_share(mut self, share: Rc<dyn Share>) -> EtcdStore {
+        self.share = Some(share);
+        self
+    }
+
+    /// A new key's claim is about to be written: `None` when its caller may, else the 429's
+    /// answer (this Envoy's share is full and the caller wrote the most of it lately).
+    fn over_share(&mut self, caller: Caller, now: u64) -> Option<Began> {
+        let share = self.share.as_ref()?;
+        let Verdict::Refuse { retry_after_ms } = share.verdict(caller, now) else { return None };
+        if now >= self.share_logged_ms {
+            self.share_logged_ms = now + 60_000;
+            log::warn!(
+                "fleet share: this Envoy's writes to etcd reached store.write_budget_bytes ({} bytes lately); new keys of caller {} (the heaviest writer) get 429 for {} s; retries of stored keys and other callers go on. Logged once a minute per worker",
+                share.budget(),
+                caller.short(),
+                retry_after_ms.div_ceil(1000)
+            );
+        }
+        Some(Began::OverShare { retry_after_s: retry_after_ms.div_ceil(1000).max(1) })
+    }
+
+    /// Counts a write in the Envoy's ledger, against the caller it is for.
+    fn charge(&mut self, request: &Request, op: &Op, now: u64) {
+        let Some(share) = &self.share else { return };
+        let Request::Txn { key, write: Write::Put { value, .. }, .. } = request else { return };
+        let caller = match op {
+            Op::Claim { round, .. } | Op::Verify { round, .. } => round.caller,
+            Op::Renew { entry, .. } => entry.caller,
+            Op::End { id } => match self.owners.get(id) {
+                Some(o) => o.entry.caller,
+                None => return,
+            },
+            _ => return,
+        };
+        let bytes = (key.len() + value.len()) as u64 + PUT_OVERHEAD_BYTES;
+        if let Some(total) = share.charge(caller, bytes, now) {
+            self.share_used = Some(total);
         }
     }
 
@@ -278,6 +332,7 @@ impl EtcdStore {
         if self.health.failing() {
             self.probe = Some(call);
         }
+        self.charge(&request, &op, now);
         let to =
             Target { cluster: &self.link.cluster, authority: &self.link.authority, timeout_ms: self.link.timeout_ms };
         let request = self.link.api.call(&request, &to);
@@ -513,7 +568,7 @@ impl Store for EtcdStore {
         }
         self.pump(now_ms);
         let change = self.replays.as_ref().map(|r| r.borrow_mut().tick(now_ms)).unwrap_or_default();
-        TickReport { change, ..TickReport::default() }
+        TickReport { change, share_used_bytes: self.share_used.take(), ..TickReport::default() }
     }
 
     fn poll_answer(&mut self) -> Option<(For, Answer)> {

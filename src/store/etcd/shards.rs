@@ -138,14 +138,18 @@ impl Store for Shards {
 
     fn tick(&mut self, now_ms: u64) -> TickReport {
         let mut change = Change::default();
+        let mut share_used_bytes = None;
         for (_, store) in &mut self.shards {
-            let c = store.tick(now_ms).change;
+            let report = store.tick(now_ms);
+            // One ledger for the Envoy: each shard saw its total at its last write.
+            share_used_bytes = share_used_bytes.max(report.share_used_bytes);
+            let c = report.change;
             change.completed += c.completed;
             change.bytes += c.bytes;
             change.evicted += c.evicted;
             change.evicted_below_share += c.evicted_below_share;
         }
-        TickReport { change, ..TickReport::default() }
+        TickReport { change, share_used_bytes, ..TickReport::default() }
     }
 
     fn poll_answer(&mut self) -> Option<(For, Answer)> {

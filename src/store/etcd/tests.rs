@@ -865,3 +865,55 @@ fn an_expired_mark_taken_over_between_the_read_and_the_takeover_has_one_owner() 
     let txns: Vec<&str> = m.log.iter().copied().filter(|k| *k == "Txn").collect();
     assert_eq!(txns.len(), 3, "the first claim, B's takeover, A's failed takeover: {:?}", m.log);
 }
+
+/// A claim of `scope`'s key `n`.
+fn scoped_claim(scope: &str, n: u32) -> Claim {
+    let scopes = [Some(scope.as_bytes())];
+    Claim {
+        key: StoreKey::derive("t", b"h", &scopes, n.to_string().as_bytes()),
+        fingerprint: Fingerprint([1; 16]),
+        caller: crate::caller::Caller::of(&scopes),
+        lease_ms: LEASE,
+    }
+}
+
+fn begin_scoped(s: &mut EtcdStore, m: &mut Model, scope: &str, n: u32, now: u64) -> Began {
+    assert!(s.begin(For::Stream(1), &scoped_claim(scope, n), now).is_none(), "etcd answers later");
+    run(s, m, now);
+    began(s)
+}
+
+#[test]
+fn past_its_write_budget_the_heaviest_writers_new_keys_get_429_and_everything_else_goes_on() {
+    let kv = crate::table::memory::MemoryKv::new();
+    let budget = crate::ledger::WriteBudget::new(kv, "t", 6_000, RETENTION);
+    let (mut s, mut m) = (store(1).with_share(Rc::new(budget)), Model::new());
+    // The flooder stores answers of 1 KB until the budget is spent.
+    let mut n = 0;
+    let refused = loop {
+        match begin_scoped(&mut s, &mut m, "Bearer flood", n, 1_000) {
+            Began::Claimed { owner, .. } => {
+                s.complete(owner, Some(response(&"x".repeat(1_000))), RETENTION, 1_000);
+                run(&mut s, &mut m, 1_000);
+                assert!(matches!(completed(&mut s), Completed::Stored { .. }));
+            }
+            other => break other,
+        }
+        n += 1;
+        assert!(n < 20, "the budget never filled");
+    };
+    assert_eq!(n, 5, "5 claims and completions of about 1.2 KB fill 6,000 bytes");
+    assert!(
+        matches!(refused, Began::OverShare { retry_after_s: 79 }),
+        "written in the first 20 s period, kept 4: {refused:?}"
+    );
+    let proposals = m.proposals;
+    // A retry of a stored key still replays, and costs etcd no write.
+    assert!(matches!(begin_scoped(&mut s, &mut m, "Bearer flood", 0, 1_001), Began::Replay(_)));
+    assert_eq!(m.proposals, proposals);
+    // Another caller's new key goes on.
+    assert!(matches!(begin_scoped(&mut s, &mut m, "Bearer other", 0, 1_002), Began::Claimed { .. }));
+    // Once its writes have dropped out (4 periods of a third of the retention), the flooder
+    // writes again.
+    assert!(matches!(begin_scoped(&mut s, &mut m, "Bearer flood", 99, 81_000), Began::Claimed { .. }));
+}
