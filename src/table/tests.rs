@@ -815,3 +815,21 @@ fn when_the_heavier_caller_holds_only_marks_the_eviction_is_counted_below_share(
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn local_copies_of_a_fleet_store_follow_fair_share_too() {
+    // The copies an etcd fleet keeps of completed entries go through `keep`: a flood of the
+    // flooder's copies evicts its own.
+    let t = table(64);
+    let copy = |scope: &str, n: u64, now: u64| {
+        let (k, caller) = scoped(scope, n);
+        t.keep(&k, &fp(1), caller, Some(&response("c")), now + RETENTION, now).unwrap()
+    };
+    for n in 0..8 {
+        copy("Bearer quiet", n, 1_000 + n);
+    }
+    let below: u32 = (0..500).map(|n| copy("Bearer flood", n, 2_000 + n).evicted_below_share).sum();
+    assert_eq!(below, 0);
+    assert!((0..8).all(|n| replays_scoped(&t, "Bearer quiet", n, 3_000)));
+    assert!(replays_scoped(&t, "Bearer flood", 499, 3_000));
+}
