@@ -1177,6 +1177,11 @@ impl World {
             Some("response-not-stored") if done.is_empty() => {
                 self.check.fail("completed_without_completion", self.now, format!("req {r} of {key:?}"));
             }
+            // A full write budget refuses new keys only: a stored key replays (unless a fault
+            // may have kept its completion out of etcd).
+            Some("share-full") if !done.is_empty() && !self.faults.any_between(0, self.now) => {
+                self.check.fail("share_full_for_a_stored_key", self.now, format!("req {r} of {key:?}"));
+            }
             Some("in-progress") => {
                 let owned = self.owned_until.get(&key).copied().unwrap_or(0);
                 let from = self.now.saturating_sub(LEASE_MS + 2 * self.grace_ms);
