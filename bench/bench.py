@@ -1294,8 +1294,8 @@ def fleet_lines(fleet):
         f"| first_call = B2 etcd/B2 detached | {fleet['first_call']:.2f} | req/s, same run |",
         f"| replay = B3 etcd/B3 | {fleet.get('replay', float('nan')):.2f} | req/s, the "
         "replaying Envoy's own copy |",
-        f"| etcd requests per first call | {fleet['etcd_rq_per_first_call']:.2f} | claim "
-        "and completion (and the VMs' lease grants) |",
+        f"| etcd requests per first call | {fleet['etcd_rq_per_first_call']:.2f} | read, "
+        "claim and completion (and the VMs' lease grants) |",
         f"| etcd CPU per first call | {fleet['etcd_cpu_us_per_first_call']:.0f} µs | "
         "one local member |",
         f"| cpu_bound | {fleet['cpu_bound']:.2f} | the first_call ratio this machine's "
