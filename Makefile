@@ -74,7 +74,7 @@ fleet: build setup
 # store protocol (loom), and the core's tests again on wasm32-wasip1 under wasmtime (32-bit
 # usize, as in the plugin).
 unit: setup tools
-	cargo test --lib --test corpus_replay
+	cargo test --lib --test corpus_replay --test idempotency_key
 	cargo test --release --lib sim:: -- --nocapture
 	cargo test --release --test model_check
 	cargo test --target $(TARGET) --lib

@@ -297,11 +297,13 @@ impl Layout {
     }
 
     // The bucket count is part of every name, so a table of another size never reads this one.
-    fn bucket_key(&self, bucket: u32) -> String {
+    // Public for `src/bin/idempotency-key.rs`, which names where one key lives.
+    pub fn bucket_key(&self, bucket: u32) -> String {
         self.name('b', bucket)
     }
 
-    fn data_key(&self, slot: u32) -> String {
+    /// The data key of `slot` (`bucket × ENTRIES + entry`).
+    pub fn data_key(&self, slot: u32) -> String {
         self.name('d', slot)
     }
 
@@ -313,7 +315,8 @@ impl Layout {
         format!("{}evictions", self.prefix)
     }
 
-    fn locate(&self, key: &StoreKey) -> (u32, KeyTag) {
+    /// The bucket of `key`, and the tag its entry keeps.
+    pub fn locate(&self, key: &StoreKey) -> (u32, KeyTag) {
         let mut tag = [0u8; 16];
         tag.copy_from_slice(key.0.get(8..24).unwrap_or(&[0u8; 16]));
         ((crate::bytes::u64_at(&key.0, 0) % u64::from(self.buckets)) as u32, tag)
