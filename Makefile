@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: grpc fleet build run test tools unit e2e lint setup clean fuzz image chaos bench bench-hostcalls sim sim-long previous
+.PHONY: grpc fleet build run test tools unit e2e lint abi-budget setup clean fuzz image chaos bench bench-hostcalls sim sim-long previous
 
 build: $(WASM)
 
@@ -46,7 +46,7 @@ tools:
 	@cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 	@cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 	@missing=""; \
-	for need in etcd:etcd-server openssl:openssl ip:iproute2 curl:curl; do \
+	for need in etcd:etcd-server openssl:openssl ip:iproute2 curl:curl promtool:prometheus; do \
 	  command -v $${need%%:*} >/dev/null 2>&1 || missing="$$missing $${need##*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -109,10 +109,15 @@ lint: tools
 	cargo clippy --lib --tests -- -D warnings
 	cargo clippy --target $(TARGET) --lib -- -D warnings
 
+# Host calls per request, counted exactly (bench/abi_count.py, detached, shared data, the
+# filter-state record on): a change that adds host calls to a path past its budget fails here.
+abi-budget: build setup
+	$(PY) bench/abi_count.py $(WASM) --requests 100 --budget "first call=22,replay=5.5,conflict (409)=5.5"
+
 e2e: build previous setup tools
 	$(VENV)/bin/pytest -q tests
 
-test: tools unit lint e2e
+test: tools unit lint abi-budget e2e
 
 # The retry storm (tests/chaos.py) on shared data, then on etcd, CHAOS_SECONDS each: 40
 # clients, slow/failing/resetting upstream, timeouts and hang-ups, Envoy SIGKILLed and

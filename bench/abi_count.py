@@ -83,6 +83,7 @@ class Host:
         raw = config.get("raw") if isinstance(config, dict) else None
         self.buffers = {PLUGIN_CONFIG: raw.encode() if raw else json.dumps(config).encode(), VM_CONFIG: b""}
         self.properties = {}
+        self.filter_state = {}
         self.current = ROOT
         self.now_ns = 1_700_000_000_000 * 10**6
         self.pending = []  # host events that follow the current callback
@@ -194,6 +195,11 @@ class Host:
         path = tuple(self.read(pp, ps).rstrip(b"\0").split(b"\0"))
         value = self.properties.get((self.current, path), self.properties.get(path))
         return NOT_FOUND if value is None else self.give(value, ret_ptr, ret_size)
+
+    def abi_set_property(self, pp, ps, vp, vs):
+        path = tuple(self.read(pp, ps).rstrip(b"\0").split(b"\0"))
+        self.filter_state[(self.current, path)] = self.read(vp, vs)
+        return OK
 
     def abi_get_shared_data(self, kp, ks, ret_ptr, ret_size, ret_cas):
         entry = self.shared.get(self.read(kp, ks))
@@ -397,6 +403,8 @@ def main():
                     "bench/controls/), instead of the plugin's JSON")
     ap.add_argument("--by-callback", action="store_true", help="also the host calls of each callback")
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated paths")
+    ap.add_argument("--budget", help="host calls allowed per path, e.g. 'first call=22,replay=5.5': "
+                    "exits 1 when the first build's count is over one (make test runs it)")
     args = ap.parse_args()
     config = {"namespace": "abi", "forward": args.forward}
     if args.raw:
@@ -407,15 +415,27 @@ def main():
         etcd = Etcd()
         config["store"] = {"kind": "etcd", "cluster": "etcd"}
     try:
-        report(args, config, etcd.port if etcd else None)
+        totals = report(args, config, etcd.port if etcd else None)
     finally:
         if etcd:
             etcd.close()
+    if args.budget:
+        over = []
+        for item in args.budget.split(","):
+            path, _, limit = item.rpartition("=")
+            got = totals[path.strip()][0]
+            print(f"budget {path.strip()}: {got:.2f} host calls, at most {float(limit)}")
+            if got > float(limit):
+                over.append(path.strip())
+        if over:
+            print(f"over the host-call budget: {', '.join(over)}")
+            return 1
     return 0
 
 
 def report(args, config, etcd_port):
     names = [w.rsplit("/", 1)[-1] for w in args.wasm]
+    totals = {}
     print(f"forward: {args.forward}, store: {args.store}; per request, mean of {args.requests}")
     for path in [p for p in PATHS if p in args.paths.split(",")]:
         rows = [measure(w, config, path, args.requests, etcd_port) for w in args.wasm]
@@ -426,6 +446,7 @@ def report(args, config, etcd_port):
         for k in kinds:
             print(f"| {k[len('proxy_'):]} | " + " | ".join(f"{r[0].get(k, 0):.2f}" for r in rows) + " |")
         print("| **all host calls** | " + " | ".join(f"{sum(r[0].values()):.2f}" for r in rows) + " |")
+        totals[path] = [sum(r[0].values()) for r in rows]
         callbacks = sorted(set().union(*(r[1] for r in rows)))
         for k in callbacks:
             print(f"| fuel in {k[len('proxy_'):]} | " + " | ".join(f"{r[1].get(k, 0):,.0f}" for r in rows) + " |")
@@ -436,6 +457,7 @@ def report(args, config, etcd_port):
                 for (cb, call), v in sorted(r[3].items(), key=str):
                     print(f"  {cb[len('proxy_'):] if cb else '(outside)'}: {call[len('proxy_'):]} {v:.2f}")
 
+    return totals
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 import yaml
 
+# The plugin keeps its counters in each VM and writes them from the VM's tick (every 50 ms,
+# 20 ms in wait mode): a stat read waits this long after the requests it counts.
+METRICS_LAG_S = 0.12
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 LOCALHOST = "127.0.0.1"
@@ -444,8 +448,11 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
                  route_timeout_s=15, extra_routes=None, cluster_name="upstream",
                  vm_id="idempotency", with_plugin=True, extra_clusters=None,
                  extra_filters=None, wasm=None, buffer_limit_bytes=None,
-                 allow_on_headers_stop_iteration=True, node=None, upstream_http2=False):
-    """The bootstrap as a dict; see envoy_yaml (`upstream_http2`: a gRPC upstream)."""
+                 allow_on_headers_stop_iteration=True, node=None, upstream_http2=False,
+                 access_log=None, hcm_extra=None):
+    """The bootstrap as a dict; see envoy_yaml (`upstream_http2`: a gRPC upstream;
+    `access_log`: a file for the listener's access log, in ACCESS_LOG_FORMAT; `hcm_extra`:
+    more fields of the HTTP connection manager, e.g. `tracing`)."""
     filters = []
     if with_plugin and plugin_config is not None:
         filters.append(wasm_filter(plugin_config, vm_id=vm_id, wasm=wasm,
@@ -468,6 +475,8 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
                 "route_config": {"name": "local", "virtual_hosts": [
                     {"name": "all", "domains": ["*"], "routes": routes}]},
                 "http_filters": filters,
+                **({"access_log": [file_access_log(access_log)]} if access_log else {}),
+                **(hcm_extra or {}),
             }}]}],
     }
     if buffer_limit_bytes is not None:
@@ -479,6 +488,19 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
         "static_resources": {"listeners": [listener], "clusters": clusters},
         **({"node": node} if node else {}),
     }
+
+
+# The access log line the shipped Envoy configs write (envoy/*.yaml): the plugin's decision
+# is its filter state `wasm.idempotency` (docs/operations.md, "Decisions in the access log").
+ACCESS_LOG_FORMAT = ('[%START_TIME%] "%REQ(:METHOD)% %REQ(X-ENVOY-ORIGINAL-PATH?:PATH)% %PROTOCOL%" '
+                     '%RESPONSE_CODE% %RESPONSE_FLAGS% %DURATION% '
+                     'idempotency="%FILTER_STATE(wasm.idempotency:PLAIN)%"\n')
+
+
+def file_access_log(path):
+    return {"name": "envoy.access_loggers.file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+        "path": path, "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}}}
 
 
 def envoy_yaml(listener_port, admin_port, upstream_port, plugin_config, **kwargs):
@@ -632,7 +654,9 @@ class Envoy:
         return resp.text
 
     def stats(self, filter_regex=None):
-        """Counters and gauges, {name: int}; histograms are left out."""
+        """Counters and gauges, {name: int}; histograms are left out. Waits out the plugin's
+        metric lag first (its VMs write their counters from their tick)."""
+        time.sleep(METRICS_LAG_S)
         return admin_stats(self.admin_port, filter_regex)
 
     def stat(self, name, default=0):

@@ -497,6 +497,7 @@ class NsEnvoy(Envoy):
         return http_to(self.host, self.admin_port, method, path, timeout=timeout).text
 
     def stats(self, filter_regex=None):
+        time.sleep(harness.METRICS_LAG_S)  # the plugin writes its counters from its tick
         query = "/stats?format=json"
         if filter_regex:
             query += "&filter=" + urllib.request.quote(filter_regex)

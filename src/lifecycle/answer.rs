@@ -65,6 +65,10 @@ impl<S: Store> Lifecycle<S> {
             _buffered: None,
         });
         let mut lazy = LazyOutbound { host: Some(host), parts: Some((headers, body)) };
+        if let Some(note) = self.note_mut(id) {
+            note.key = Some(key);
+            note.asked_ms = now;
+        }
         match self.store.begin(For::Stream(id), &claim, now) {
             Some(Answer::Began(began)) => {
                 log::debug!("key {} -> {}", key.short(), describe(&began));
@@ -126,6 +130,13 @@ impl<S: Store> Lifecycle<S> {
     pub(super) fn decide(&mut self, id: u32, held: Box<Held>, began: Began, lazy: &mut LazyOutbound, now: u64) -> Next {
         let Some(policy) = self.streams.get(&id).map(|s| s.policy) else { return Next::Hold };
         let retry_after_s = self.policy(policy).retry_after_s;
+        let fencing = self.config.fencing_header.is_some();
+        if let Some(note) = self.note_mut(id) {
+            note.store_ms = Some(now.saturating_sub(note.asked_ms));
+            if let (true, Began::Claimed { owner, .. }) = (fencing, &began) {
+                note.fence = Some(owner.fence);
+            }
+        }
         match began {
             Began::Claimed { owner, takeover, change, leased_ms } => {
                 self.count(Counter::Claimed);
@@ -252,6 +263,7 @@ impl<S: Store> Lifecycle<S> {
             return Next::Hold;
         }
         log::warn!("store unavailable: forwarding without idempotency (on_unavailable: pass)");
+        self.record(id, "pass-store-unavailable");
         self.go_upstream(id, policy, None, outbound, 0)
     }
 

@@ -80,6 +80,12 @@ pub enum Effect {
         gauge: Gauge,
         delta: i64,
     },
+    /// What was decided for `stream`, as its filter state `wasm.idempotency` (one per covered
+    /// request; docs/operations.md).
+    Record {
+        stream: u32,
+        text: String,
+    },
     SetGauge {
         gauge: Gauge,
         value: u64,

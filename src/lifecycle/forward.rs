@@ -165,6 +165,9 @@ impl<S: Store> Lifecycle<S> {
         let response = match call.owner {
             Some(owner) if grpc_failed || p.release_statuses.contains(response.status()) => {
                 self.release(owner, now);
+                if let Some(note) = self.note_mut(call.stream) {
+                    note.outcome = Some("released");
+                }
                 Some(response)
             }
             Some(owner) if response.stored_len() <= p.max_response_bytes => {
@@ -173,6 +176,9 @@ impl<S: Store> Lifecycle<S> {
             }
             Some(owner) => {
                 self.complete(owner, None, p.retention_s * 1000, now);
+                if let Some(note) = self.note_mut(call.stream) {
+                    note.outcome = Some("completed-not-stored");
+                }
                 Some(response)
             }
             None => Some(response),
@@ -361,6 +367,7 @@ impl<S: Store> Lifecycle<S> {
             if !via_upstream {
                 self.count(Counter::UpstreamFailed);
             }
+            self.record(id, "released");
             self.set_phase(id, Phase::Pass);
             self.release(owner, host.now_ms());
             return Flow::Continue;
@@ -370,6 +377,9 @@ impl<S: Store> Lifecycle<S> {
         let kept =
             (head <= p.max_response_bytes).then(|| self.buffered.reserve(head)).flatten().map(|r| (Vec::new(), r));
         let capture = Capture { status, headers, kept, head, buffered: 0, grpc_status: grpc_status.is_some() };
+        // Recorded now, while the record can still reach the access log: whether its answer
+        // is stored (`completed`) is known only at its end.
+        self.record(id, "claimed");
         self.set_phase(id, Phase::Owner { owner: Some(owner), capture: Some(capture) });
         if end_of_stream {
             return self.finish_capture(id, host.now_ms());

@@ -7,6 +7,7 @@
 mod answer;
 mod effect;
 mod forward;
+mod record;
 mod request;
 mod timer;
 mod waiting;
@@ -100,6 +101,8 @@ struct Stream {
     phase: Phase,
     /// A gRPC call: the plugin's answers are gRPC's (SPEC §3.10).
     grpc: bool,
+    /// What its record (filter state) will say besides the decision.
+    note: record::Note,
 }
 
 enum Phase {
@@ -278,13 +281,14 @@ impl<S: Store> Lifecycle<S> {
             Covered::No => Flow::Continue,
             Covered::Refused(problem, counter) => {
                 self.count(counter);
-                self.streams.insert(id, Stream { policy, phase: Phase::Pass, grpc });
+                self.streams.insert(id, Stream { policy, phase: Phase::Pass, grpc, note: record::Note::default() });
                 self.reply(id, Reply::Problem(problem));
                 Flow::Pause
             }
             Covered::Unscoped => {
                 self.count(Counter::ScopeMissing);
                 self.log_missing_scope(host.now_ms());
+                self.record(id, "pass-scope-missing");
                 Flow::Continue
             }
             Covered::Yes(pending) => {
@@ -294,7 +298,9 @@ impl<S: Store> Lifecycle<S> {
                 // The clock is a host call: read it here only when this event claims, or
                 // while the body-delivery check still needs the request's arrival.
                 let now = if end_of_stream || !self.body_seen { host.now_ms() } else { 0 };
-                self.streams.insert(id, Stream { policy, phase: Phase::ReadingBody { pending, since_ms: now }, grpc });
+                let note = record::Note::default();
+                self.streams
+                    .insert(id, Stream { policy, phase: Phase::ReadingBody { pending, since_ms: now }, grpc, note });
                 if end_of_stream {
                     self.claim(host, id, Vec::new(), now)
                 } else {
@@ -390,6 +396,14 @@ impl<S: Store> Lifecycle<S> {
     /// has reset would re-enter a context the SDK has dropped).
     fn reply(&mut self, id: u32, reply: Reply) {
         let Some(stream) = self.streams.get(&id) else { return };
+        let decision = match &reply {
+            Reply::Problem(p) => p.slug(),
+            Reply::Stored { replayed: true, .. } => "replayed",
+            Reply::Stored { replayed: false, .. } => stream.note.outcome.unwrap_or("claimed"),
+            Reply::Grpc(_) => "grpc-not-replayable",
+        };
+        self.record(id, decision);
+        let Some(stream) = self.streams.get(&id) else { return };
         let reply = match reply {
             Reply::Problem(p) if stream.grpc => Reply::Grpc(crate::grpc::GrpcAnswer::for_problem(&p)),
             // A local reply to a gRPC call cannot carry messages and trailers (Envoy makes it
@@ -425,6 +439,7 @@ impl<S: Store> Lifecycle<S> {
             let (name, value) = (name.to_string(), Some(value.to_string()));
             self.effects.push(Effect::SetRequestHeader { stream: id, name, value });
         }
+        self.record(id, if replayed { "replayed" } else { "claimed" });
         self.set_phase(id, Phase::GrpcReplay { response, replayed });
         if resume {
             self.effects.push(Effect::Resume { stream: id });

@@ -254,6 +254,13 @@ pub fn resume_response() -> bool {
 }
 
 /// Makes `context_id` the stream that later calls act on; `false` when the stream is gone.
+/// The current stream's filter state `wasm.idempotency` (Envoy prefixes `wasm.`).
+pub fn set_filter_state(text: &str) {
+    if let Err(status) = hostcalls::set_property(vec!["idempotency"], Some(text.as_bytes())) {
+        log::debug!("filter state not set: {status:?}");
+    }
+}
+
 pub fn set_effective_context(context_id: u32) -> bool {
     hostcalls::set_effective_context(context_id).is_ok()
 }
@@ -283,9 +290,15 @@ pub fn enqueue(queue_id: u32) -> bool {
     hostcalls::enqueue_shared_queue(queue_id, Some(b"job")).is_ok()
 }
 
-/// Drains the queue's notifications; the jobs themselves wait in the VM's outbox.
+/// Empties the queue of notifications.
 pub fn drain_queue(queue_id: u32) {
     while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
+}
+
+/// Takes one notification off the queue: Envoy calls `on_queue_ready` once per enqueue, so
+/// one each keeps it empty; the jobs themselves wait in the VM's outbox.
+pub fn take_from_queue(queue_id: u32) {
+    let _ = hostcalls::dequeue_shared_queue(queue_id);
 }
 
 pub fn set_tick(period: Duration) {

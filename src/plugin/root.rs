@@ -30,6 +30,7 @@ impl Root {
         f(&vm);
         if self.draining && vm.read(|l| l.is_idle()) {
             self.draining = false;
+            vm.flush_metrics();
             hostcalls::done();
         }
     }
@@ -56,6 +57,9 @@ impl Context for Root {
     /// them first (SPEC §3.8).
     fn on_done(&mut self) -> bool {
         let idle = self.vm.as_ref().is_none_or(|vm| vm.read(|l| l.is_idle()));
+        if let Some(vm) = &self.vm {
+            vm.flush_metrics();
+        }
         if !idle {
             log::info!("idempotency: root replaced; finishing the calls and writes in flight first");
             self.draining = true;
@@ -82,11 +86,14 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        self.event(|vm| vm.event(None, |l| l.on_tick(HostCalls.now_ms())));
+        self.event(|vm| {
+            vm.event(None, |l| l.on_tick(HostCalls.now_ms()));
+            vm.flush_metrics();
+        });
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        hostcalls::drain_queue(queue_id);
+        hostcalls::take_from_queue(queue_id);
         self.event(|vm| vm.event(None, |l| l.on_wake(HostCalls.now_ms())));
     }
 

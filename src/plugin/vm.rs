@@ -20,6 +20,10 @@ pub struct Vm {
     grpc_calls: RefCell<IdMap<u32, CallId>>,
     counters: Vec<(Counter, u32)>,
     gauges: Vec<(Gauge, u32)>,
+    /// What the counters and gauges moved by since the last flush, in the order of
+    /// `counters` then `gauges`: kept in the VM and written from the root's tick, so that a
+    /// request costs no metric host call (docs/operations.md: stats lag by one tick at most).
+    pending: RefCell<Vec<i64>>,
     queue: Cell<Option<u32>>,
 }
 
@@ -27,17 +31,41 @@ impl Vm {
     pub fn new(lifecycle: AnyLifecycle) -> Vm {
         let counters = Counter::ALL.iter().filter_map(|c| hostcalls::define_counter(c.name()).map(|id| (*c, id)));
         let gauges = Gauge::ALL.iter().filter_map(|g| hostcalls::define_gauge(g.name()).map(|id| (*g, id)));
+        let (counters, gauges): (Vec<_>, Vec<_>) = (counters.collect(), gauges.collect());
         Vm {
             lifecycle: RefCell::new(lifecycle),
             calls: RefCell::default(),
             grpc_calls: RefCell::default(),
-            counters: counters.collect(),
-            gauges: gauges.collect(),
+            pending: RefCell::new(vec![0; counters.len() + gauges.len()]),
+            counters,
+            gauges,
             queue: Cell::new(None),
         }
     }
 
+    /// Writes what the metrics moved by since the last flush: one host call per metric that
+    /// moved. Called from the root's tick and before a root ends.
+    pub fn flush_metrics(&self) {
+        let mut pending = self.pending.borrow_mut();
+        let ids = self.counters.iter().map(|(_, id)| id).chain(self.gauges.iter().map(|(_, id)| id));
+        for (delta, id) in pending.iter_mut().zip(ids) {
+            if *delta != 0 {
+                hostcalls::add_metric(*id, *delta);
+                *delta = 0;
+            }
+        }
+    }
+
+    fn add_pending(&self, at: Option<usize>, delta: i64) {
+        let mut pending = self.pending.borrow_mut();
+        if let Some(slot) = at.and_then(|i| pending.get_mut(i)) {
+            *slot = slot.saturating_add(delta);
+        }
+    }
+
     pub fn set_queue(&self, queue: u32) {
+        // Notifications left by a root that was replaced before it took them.
+        hostcalls::drain_queue(queue);
         self.queue.set(Some(queue));
     }
 
@@ -50,7 +78,7 @@ impl Vm {
             let out = f(&mut lifecycle);
             (out, lifecycle.take_effects())
         };
-        let mut on = Target { current, switched: false };
+        let mut on = Target { active: current };
         for effect in effects {
             self.carry_out(&mut on, effect);
         }
@@ -113,18 +141,26 @@ impl Vm {
                 }
             }
             Effect::Count { counter, n } => {
-                if let Some((_, id)) = self.counters.iter().find(|(c, _)| *c == counter) {
-                    hostcalls::add_metric(*id, i64::from(n));
-                }
+                self.add_pending(self.counters.iter().position(|(c, _)| *c == counter), i64::from(n));
             }
             Effect::AddGauge { gauge, delta } => {
-                if let Some((_, id)) = self.gauges.iter().find(|(g, _)| *g == gauge) {
-                    hostcalls::add_metric(*id, delta);
+                let at = self.gauges.iter().position(|(g, _)| *g == gauge).map(|i| i + self.counters.len());
+                self.add_pending(at, delta);
+            }
+            Effect::Record { stream, text } => {
+                if on.stream(stream) {
+                    hostcalls::set_filter_state(&text);
                 }
             }
             Effect::SetGauge { gauge, value } => {
-                if let Some((_, id)) = self.gauges.iter().find(|(g, _)| *g == gauge) {
-                    hostcalls::set_metric(*id, value);
+                if let Some(at) = self.gauges.iter().position(|(g, _)| *g == gauge) {
+                    // A set replaces what was added since the last flush.
+                    if let Some(slot) = self.pending.borrow_mut().get_mut(at + self.counters.len()) {
+                        *slot = 0;
+                    }
+                    if let Some((_, id)) = self.gauges.get(at) {
+                        hostcalls::set_metric(*id, value);
+                    }
                 }
             }
         }
@@ -157,21 +193,22 @@ impl Vm {
     }
 }
 
-/// Which stream the host's calls act on while effects run: the callback's own, until an
-/// effect for another stream switched the context.
+/// Which stream the host's calls act on while effects run: the callback's own (`None`: the
+/// root's), until an effect for another stream switched the context.
 struct Target {
-    current: Option<u32>,
-    switched: bool,
+    active: Option<u32>,
 }
 
 impl Target {
-    /// Makes `stream` the context; `false` when it is gone.
+    /// Makes `stream` the context (one host call, unless it is already); `false` when it is
+    /// gone.
     fn stream(&mut self, stream: u32) -> bool {
-        if self.current == Some(stream) && !self.switched {
+        if self.active == Some(stream) {
             return true;
         }
-        self.switched = self.current != Some(stream);
-        hostcalls::set_effective_context(stream)
+        let switched = hostcalls::set_effective_context(stream);
+        self.active = switched.then_some(stream);
+        switched
     }
 }
 

@@ -4,7 +4,7 @@
 use std::fmt;
 
 /// Every invariant, with what it asserts.
-pub const INVARIANTS: [(&str, &str); 21] = [
+pub const INVARIANTS: [(&str, &str); 23] = [
     ("duplicate_effect", "a key's work reaches the upstream again while a claimed call of it may run or after it completed, with no release, no expiry of its owner's lease, no unknown outcome to explain it"),
     ("held_duplicate_forwarded", "a request held as a duplicate is sent upstream without a claim while the first call runs"),
     ("replay_differs", "a replay is not the stored answer of a completed call of the same key and caller (status, body, gRPC status)"),
@@ -14,6 +14,8 @@ pub const INVARIANTS: [(&str, &str); 21] = [
     ("answered_late", "a client that stayed got its answer later than the bound"),
     ("locked_without_owner", "a 409 in progress while nothing runs, claims or completes for the key, and no fault explains it"),
     ("completed_without_completion", "a 409 completed-without-response (or a not-replayable gRPC result) for a key no call completed"),
+    ("recorded_twice", "a covered request's decision is recorded (filter state) at most once"),
+    ("record_differs", "the recorded decision of a request the plugin answered itself is what it answered (the problem's slug, or replayed)"),
     ("share_full_for_a_stored_key", "a 429 share-full (a full write budget) for a key whose answer was stored, with no fault that could have kept it out of etcd"),
     ("not_back_to_baseline", "a VM holds streams, calls, owners, waiters or buffered bytes after traffic stopped"),
     ("effect_on_closed_stream", "the lifecycle answers, resumes or edits a stream that has ended"),

@@ -144,6 +144,8 @@ struct Req {
     set_headers: Option<Headers>,
     set_body: Option<(Vec<u8>, Headers)>,
     flight: Option<usize>,
+    /// The decision its filter state records (`Effect::Record`).
+    record: Option<String>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -452,6 +454,7 @@ impl World {
             set_headers: None,
             set_body: None,
             flight: None,
+            record: None,
         });
         self.streams.insert((vm, id), r);
         if self.rng.chance(250) {
@@ -583,6 +586,7 @@ impl World {
             Effect::Reply { stream, reply } => {
                 let Some(r) = self.open_stream(vm, stream, "a reply") else { return };
                 if let Some(got) = self.reply_got(&reply) {
+                    self.check_record(r, &got);
                     self.got(r, got);
                 }
                 if self.vms[vm].lifecycle.watches_response(stream) {
@@ -628,6 +632,31 @@ impl World {
             Effect::WakeRoot => self.queue.push(self.now, Ev::Wake { vm }),
             Effect::Count { counter, n } => self.log(|| format!("vm {vm} counts {} +{n}", counter.name())),
             Effect::AddGauge { .. } | Effect::SetGauge { .. } => {}
+            Effect::Record { stream, text } => {
+                let Some(r) = self.open_stream(vm, stream, "a record") else { return };
+                if self.reqs[r].record.is_some() {
+                    self.check.fail("recorded_twice", self.now, format!("req {r}: {text}"));
+                }
+                self.reqs[r].record = Some(text);
+            }
+        }
+    }
+
+    /// The record of a request the plugin answered itself says what it answered.
+    fn check_record(&mut self, r: usize, got: &Got) {
+        let decision = self.reqs[r]
+            .record
+            .as_deref()
+            .and_then(|t| t.strip_prefix("decision="))
+            .map(|t| t.split(' ').next().unwrap_or_default().to_string());
+        let expected = match (got.problem, got.replayed) {
+            (Some(slug), _) => slug,
+            (None, true) => "replayed",
+            (None, false) => return,
+        };
+        if decision.as_deref() != Some(expected) {
+            let detail = format!("req {r} got {expected}, recorded {decision:?}");
+            self.check.fail("record_differs", self.now, detail);
         }
     }
 
