@@ -170,6 +170,9 @@ pub struct Rule {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     pub namespace: String,
+    /// Puts this instance's metrics apart from another's in the same Envoy:
+    /// `idempotency.<stat_prefix>.<name>` (`None`: `idempotency.<name>`, as before it existed).
+    pub stat_prefix: Option<String>,
     pub capacity: usize,
     /// Bytes of stored responses the shared-data table holds at most.
     pub max_store_bytes: u64,
@@ -231,6 +234,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             namespace: "idem".into(),
+            stat_prefix: None,
             capacity: 65_536,
             max_store_bytes: 128 << 20,
             max_waiters: 1_024,
@@ -304,6 +308,7 @@ impl Config {
             let f = name.as_str();
             match f {
                 "namespace" => c.namespace = namespace(f, v)?,
+                "stat_prefix" => c.stat_prefix = Some(stat_prefix(f, v)?),
                 "capacity" => c.capacity = int(f, v, 1, MAX_CAPACITY)? as usize,
                 "max_store_bytes" => c.max_store_bytes = int(f, v, 0, MAX_STORE_BYTES)?,
                 "max_waiters" => c.max_waiters = int(f, v, 0, 1 << 20)? as usize,
@@ -817,6 +822,17 @@ fn namespace(f: &str, v: &Value) -> Result<String, ConfigError> {
     Ok(s.to_string())
 }
 
+/// A metric name's part: what Prometheus keeps of a stat name, so that it stays one word there.
+fn stat_prefix(f: &str, v: &Value) -> Result<String, ConfigError> {
+    let s = string(f, v)?;
+    let ok =
+        !s.is_empty() && s.len() <= 32 && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if !ok {
+        return Err(err(f, format!("expected 1 to 32 characters from [a-z0-9_], got {s:?}")));
+    }
+    Ok(s.to_string())
+}
+
 /// `notices`: where an old form's new meaning is told (see [`Config::notices`]).
 fn store(f: &str, v: &Value, notices: &mut Vec<String>) -> Result<StoreConfig, ConfigError> {
     let Value::Object(map) = v else {
@@ -989,6 +1005,11 @@ mod tests {
                 write_budget_bytes: DEFAULT_WRITE_BUDGET_BYTES,
             })
         );
+        assert_eq!(parse(r#"{"stat_prefix":"pay_v2"}"#).unwrap().stat_prefix.as_deref(), Some("pay_v2"));
+        assert_eq!(parse("{}").unwrap().stat_prefix, None);
+        for bad in [r#"{"stat_prefix":""}"#, r#"{"stat_prefix":"Pay"}"#, r#"{"stat_prefix":"a.b"}"#] {
+            assert!(parse(bad).unwrap_err().to_string().contains("stat_prefix"), "{bad}");
+        }
         let off = parse(r#"{"store":{"kind":"etcd","cluster":"e","write_budget_bytes":0}}"#).unwrap();
         let StoreConfig::Etcd(e) = off.store else { panic!("etcd") };
         assert_eq!(e.write_budget_bytes, 0);

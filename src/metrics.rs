@@ -143,3 +143,25 @@ impl Gauge {
         }
     }
 }
+
+/// A metric's name as this instance defines it: `idempotency.<prefix>.<name>` with a
+/// `stat_prefix`, else as `name` gives it.
+pub fn qualified(name: &str, prefix: Option<&str>) -> String {
+    match (prefix, name.strip_prefix("idempotency.")) {
+        (Some(prefix), Some(rest)) => format!("idempotency.{prefix}.{rest}"),
+        _ => name.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::*;
+
+    #[test]
+    fn a_stat_prefix_goes_after_the_plugins_name() {
+        assert_eq!(qualified(Counter::Claimed.name(), None), "idempotency.claimed");
+        assert_eq!(qualified(Counter::Claimed.name(), Some("payments")), "idempotency.payments.claimed");
+        assert!(Counter::ALL.iter().all(|c| c.name().starts_with("idempotency.")));
+        assert!(Gauge::ALL.iter().all(|g| g.name().starts_with("idempotency.")));
+    }
+}

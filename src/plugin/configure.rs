@@ -41,7 +41,9 @@ pub fn configure(root_id: u32) -> Result<Vm, String> {
 fn tell(config: &Config, bytes: &[u8]) {
     let derived = config.derived();
     for (gauge, value) in &derived {
-        if let Some(id) = hostcalls::define_gauge(gauge.name()) {
+        if let Some(id) =
+            hostcalls::define_gauge(&crate::metrics::qualified(gauge.name(), config.stat_prefix.as_deref()))
+        {
             hostcalls::set_metric(id, *value);
         }
     }

@@ -29,8 +29,11 @@ pub struct Vm {
 
 impl Vm {
     pub fn new(lifecycle: AnyLifecycle) -> Vm {
-        let counters = Counter::ALL.iter().filter_map(|c| hostcalls::define_counter(c.name()).map(|id| (*c, id)));
-        let gauges = Gauge::ALL.iter().filter_map(|g| hostcalls::define_gauge(g.name()).map(|id| (*g, id)));
+        let prefix = lifecycle.config().stat_prefix.clone();
+        let name = |n: &str| crate::metrics::qualified(n, prefix.as_deref());
+        let counters =
+            Counter::ALL.iter().filter_map(|c| hostcalls::define_counter(&name(c.name())).map(|id| (*c, id)));
+        let gauges = Gauge::ALL.iter().filter_map(|g| hostcalls::define_gauge(&name(g.name())).map(|id| (*g, id)));
         let (counters, gauges): (Vec<_>, Vec<_>) = (counters.collect(), gauges.collect());
         Vm {
             lifecycle: RefCell::new(lifecycle),
