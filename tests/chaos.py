@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A bounded retry storm against real Envoy (issue "Reliability: retry storms, crashes and
-hostile input"; SPEC §1 rules 1-5, §3.5, §3.8).
+hostile input"; docs/behaviour.md §1 rules 1-5, §3.5, §3.8).
 
 Many clients, each with keys of their own plus a few keys shared by several clients at once
 (concurrent duplicates), retry every key until they get a 2xx or give up after a bounded

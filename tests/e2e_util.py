@@ -1,7 +1,7 @@
 """Helpers shared by the end-to-end tests, the chaos run and the scripts of bench/.
 
 Requests, checks of the plugin's problem+json answers, replays, and the retry loops that
-model a client which waits for its answer (SPEC §3).
+model a client which waits for its answer (docs/behaviour.md §3).
 """
 
 import json
@@ -26,7 +26,7 @@ def new_key(tag="k"):
     return f"{tag}-{uuid.uuid4()}"
 
 
-# The store key includes the host (SPEC §3.1): every request of these tests names the same
+# The store key includes the host (docs/behaviour.md §3.1): every request of these tests names the same
 # one, whether sent by http.client (which would say 127.0.0.1:<port>) or as raw bytes.
 HOST = "localhost"
 
@@ -97,12 +97,12 @@ def problem(resp, status, slug, retryable, title=None, retry_after=1):
 
 
 def assert_in_progress(resp):
-    """The 409 of SPEC §3.3, every field checked."""
+    """The 409 of docs/behaviour.md §3.3, every field checked."""
     return problem(resp, 409, "in-progress", True, IN_PROGRESS_TITLE)
 
 
 def assert_not_stored(resp):
-    """The 409 of SPEC §3.4 for a completed key whose response was too large to keep."""
+    """The 409 of docs/behaviour.md §3.4 for a completed key whose response was too large to keep."""
     return problem(resp, 409, "response-not-stored", False, NOT_STORED_TITLE)
 
 

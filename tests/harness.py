@@ -32,7 +32,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
 LOCALHOST = "127.0.0.1"
 # The caller every test request speaks for. Keys are scoped by `authorization` by default, and
-# a request without it passes through unprotected (missing_scope "pass", SPEC §3.1).
+# a request without it passes through unprotected (missing_scope "pass", docs/behaviour.md §3.1).
 CALLER = ("Authorization", "Bearer e2e-caller")
 
 # Envoy compiles the wasm module at start; V8 on 2 busy cores can take a few seconds.

@@ -1,4 +1,4 @@
-"""A configuration update while work is in flight (SPEC §3.8). The plugin's configuration comes
+"""A configuration update while work is in flight (docs/behaviour.md §3.8). The plugin's configuration comes
 over ECDS (from a file, as istiod would send it); a new one replaces the old root context.
 A detached call still running for a client that already left must still be stored: its
 retry is the replay, one effect."""

@@ -1,4 +1,4 @@
-"""The behaviour contract (SPEC §3) end to end, in both forwarding modes.
+"""The behaviour contract (docs/behaviour.md §3) end to end, in both forwarding modes.
 
 Each test runs against a fresh Envoy (so the plugin's counters are exact) and a fresh
 effect-counting upstream (tests/upstream.py), and checks what clients saw against the number
@@ -571,7 +571,7 @@ def test_request_body_over_the_limit_gets_413(upstream, start):
 
 def test_non_utf8_header_values_neither_break_nor_panic(upstream, start):
     """Header values with bytes ≥ 0x80 (legal obs-text) in scope and fingerprint headers:
-    the request is processed and replayed like any other, and the VM survives (SPEC §3.6)."""
+    the request is processed and replayed like any other, and the VM survives (docs/behaviour.md §3.6)."""
     envoy = start({"scope_headers": ["authorization", "x-note"],
                    "fingerprint_headers": ["content-type", "x-note"]})
     key = new_key("latin")

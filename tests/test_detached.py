@@ -1,4 +1,4 @@
-"""Detached forwarding (SPEC §3.2, §3.5, §4): the plugin's own upstream call outlives the
+"""Detached forwarding (docs/behaviour.md §3.2, §3.5, §4): the plugin's own upstream call outlives the
 client, so a client that gives up and retries gets the one stored answer, and one effect.
 
 Each test runs against a fresh Envoy and a fresh effect-counting upstream.

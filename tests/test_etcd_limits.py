@@ -1,4 +1,4 @@
-"""etcd on its worst days (SPEC §3.8): out of space (its quota alarm), and stopped. Writes that
+"""etcd on its worst days (docs/behaviour.md §3.8): out of space (its quota alarm), and stopped. Writes that
 etcd refuses follow `on_unavailable` while stored answers still replay; a store that does not
 answer is not hammered: requests back off (bounded, jittered)."""
 

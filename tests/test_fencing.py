@@ -1,4 +1,4 @@
-"""Fencing tokens (SPEC §3.9): every first call carries `fencing_header` with a token that grows
+"""Fencing tokens (docs/behaviour.md §3.9): every first call carries `fencing_header` with a token that grows
 with every later claim of its key; the client's own value never reaches the upstream. The
 upstream (tests/upstream.py, `x-fence`) commits an effect only if its token is at least the
 largest one committed for the key, as a payment service keeping the largest token would.

@@ -1,4 +1,4 @@
-"""Fleet mode (SPEC §2 `store`, issue "Fleet mode"): two Envoy processes share one etcd.
+"""Fleet mode (docs/behaviour.md §2 `store`, issue "Fleet mode"): two Envoy processes share one etcd.
 
 Both Envoys are addressed with the same Host, as a fleet behind one name is (the store key
 includes the host).
@@ -83,7 +83,7 @@ def test_retry_on_the_other_envoy_gets_409_then_the_replay(wasm, upstream, etcd,
 @pytest.mark.parametrize("forward", ["detached", "router"])
 def test_read_your_writes_a_retry_right_after_the_answer_is_replayed_on_the_other_envoy(
         wasm, upstream, etcd, forward):
-    """SPEC §3.4: the completion is in etcd before the answer's end reaches the client, so a
+    """docs/behaviour.md §3.4: the completion is in etcd before the answer's end reaches the client, so a
     retry sent the moment the answer arrived, to the other replica, is replayed (before:
     409 in 2 of 5 runs)."""
     a, b = start_pair(upstream, etcd, forward=forward)

@@ -1,4 +1,4 @@
-"""gRPC through Envoy and the plugin, with grpcio on both sides (SPEC §3.10).
+"""gRPC through Envoy and the plugin, with grpcio on both sides (docs/behaviour.md §3.10).
 
 One effect per key under concurrent duplicates, the plugin's own answers as gRPC errors
 (ABORTED with grpc-retry-pushback-ms and a google.rpc.RetryInfo), release on the server-side

@@ -1,5 +1,5 @@
 """Hostile requests end to end on real Envoy (issue "Reliability: retry storms, crashes and
-hostile input"; SPEC §3.1, §3.6 "The plugin never panics on input").
+hostile input"; docs/behaviour.md §3.1, §3.6: no input can make the plugin panic).
 
 Huge keys, non-ASCII and control bytes in keys, 100 headers, repeated key headers, bodies at
 and one byte over `max_request_body_bytes`, and foreign values planted in the store. After
@@ -219,7 +219,7 @@ def test_long_keys_up_to_max_key_length(upstream, start):
 # --- 2. non-ASCII and control bytes -------------------------------------------------------------
 
 
-# Bytes Envoy passes on: the plugin must refuse the key (400 invalid-key, SPEC §3.1).
+# Bytes Envoy passes on: the plugin must refuse the key (400 invalid-key, docs/behaviour.md §3.1).
 BAD_KEY_BYTES = {
     "latin1": b"caf\xe9",
     "utf8": "caf\u00e9".encode(),
@@ -485,7 +485,7 @@ def mutations(real, body):
 
 def test_foreign_values_planted_in_etcd_get_503(upstream, make_envoy, wasm, etcd):
     """Garbage at the etcd key the plugin uses (`/<namespace>/<hex of the store key>`): the
-    request gets 503 store-unavailable problem+json (SPEC §3.6), nothing runs, Envoy lives."""
+    request gets 503 store-unavailable problem+json (docs/behaviour.md §3.6), nothing runs, Envoy lives."""
     config = {"forward": "detached", "store": {"kind": "etcd", "cluster": "etcd"}}
     envoy = make_envoy(config, upstream.port, extra_clusters=[etcd_cluster(etcd.port)])
     health = Health(envoy, upstream)
@@ -526,7 +526,7 @@ def test_foreign_values_planted_in_etcd_get_503(upstream, make_envoy, wasm, etcd
 def test_entry_of_another_key_planted_in_etcd(upstream, make_envoy, wasm, etcd):
     """A well-formed entry copied from key A to key B's etcd key. It carries A's key tag: the
     plugin refuses it with the 503 problem and leaves the value alone. B never gets A's
-    answer (SPEC §3.1)."""
+    answer (docs/behaviour.md §3.1)."""
     config = {"forward": "detached", "store": {"kind": "etcd", "cluster": "etcd"}}
     envoy = make_envoy(config, upstream.port, extra_clusters=[etcd_cluster(etcd.port)])
     health = Health(envoy, upstream)

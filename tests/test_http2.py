@@ -1,5 +1,5 @@
 """Plain HTTP calls over HTTP/2 downstream (h2c), with a real HTTP/2 client (curl
---http2-prior-knowledge): the core scenarios behave as over HTTP/1.1 (SPEC §3.10)."""
+--http2-prior-knowledge): the core scenarios behave as over HTTP/1.1 (docs/behaviour.md §3.10)."""
 
 import json
 import subprocess

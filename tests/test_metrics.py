@@ -1,4 +1,4 @@
-"""SPEC §3.7: after a scripted scenario, each counter in /stats equals what the wire showed.
+"""docs/behaviour.md §3.7: after a scripted scenario, each counter in /stats equals what the wire showed.
 
 Counters are process-wide (`wasmcustom.idempotency.<name>`), so one Envoy per test.
 """

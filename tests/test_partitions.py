@@ -1,4 +1,4 @@
-"""Fleet mode under real network faults (SPEC §3.4, §3.8, §3.9; docs/fleet.md): a 3-member
+"""Fleet mode under real network faults (docs/behaviour.md §3.4, §3.8, §3.9; docs/fleet.md): a 3-member
 etcd cluster and two Envoys, each in its own Linux network namespace (tests/netns_util.py).
 
 - the etcd leader is SIGKILLed in the middle of a bounded retry storm;
@@ -389,7 +389,7 @@ def test_cut_while_the_completion_is_written(fleet, side):
 @pytest.mark.parametrize("moment", ["call", "completion"])
 def test_cut_longer_than_the_lease_lets_the_other_envoy_take_over_with_a_larger_token(
         fleet, moment):
-    """SPEC §3.5, §3.9: A is cut off etcd for 5 s (lease 3 s) while its call is held at the
+    """docs/behaviour.md §3.5, §3.9: A is cut off etcd for 5 s (lease 3 s) while its call is held at the
     upstream ("call") or just as the upstream answers ("completion": the link goes down, then
     the call is released). A's mark is not renewed (nor, once the call has ended, meant to
     be: its completion is pending) and expires; B's retry takes the key over and runs it

@@ -1,4 +1,4 @@
-"""Room in a full store (SPEC §3.4 "Room", §3.8): a flood of new keys evicts the oldest
+"""Room in a full store (docs/behaviour.md §3.4 "Room", §3.8): a flood of new keys evicts the oldest
 completed entries, never the work in progress nor the next caller's new request; the byte
 budget bounds what the store holds, however large the answers."""
 

@@ -1,4 +1,4 @@
-"""Safety end to end: fingerprints (SPEC §3.6 422), scoping of keys to callers (§3.1: header,
+"""Safety end to end: fingerprints (docs/behaviour.md §3.6 422), scoping of keys to callers (§3.1: header,
 verified JWT claim, mTLS peer), the request body limit (413), per-route rules, RFC 8941 keys,
 and the IETF draft's three error examples.
 

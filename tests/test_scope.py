@@ -1,4 +1,4 @@
-"""Scoping behind the mesh's authentication (SPEC §3.1): Istio's RequestAuthentication (Envoy's
+"""Scoping behind the mesh's authentication (docs/behaviour.md §3.1): Istio's RequestAuthentication (Envoy's
 jwt_authn) verifies the token and then removes `Authorization`. Scoping by that header would
 put every caller in one scope; the shipped Istio configuration scopes by the verified `sub`,
 and `missing_scope` decides what a request without any scope gets."""

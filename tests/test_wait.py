@@ -1,4 +1,4 @@
-"""Wait mode (SPEC §3.3, `on_conflict: "wait"`) end to end.
+"""Wait mode (docs/behaviour.md §3.3, `on_conflict: "wait"`) end to end.
 
 A duplicate that meets an in-progress first call is held; the root's timer polls the entry;
 when the first completes every held duplicate gets the replay, when it is released one held

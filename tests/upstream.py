@@ -12,7 +12,7 @@ Request headers drive the answer:
   x-set-cookie: a,b  one `set-cookie` header per comma-separated value
   x-reset: 1         count the effect, then reset the connection without answering
   x-hold: NAME       count the effect, then wait (60 s at most) for POST /__release?hold=NAME
-  x-fence: N         a fencing token (SPEC §3.9): after any delay or hold, the effect commits
+  x-fence: N         a fencing token (docs/behaviour.md §3.9): after any delay or hold, the effect commits
                      only if N is at least the largest token committed for its key; else the
                      answer is 409 {"fenced": N, "largest": M}. Counted: "committed", "fenced".
 
