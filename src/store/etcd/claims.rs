@@ -9,6 +9,9 @@ use crate::encoding::{decode_entry, encode_entry, Corrupt, Entry, State};
 use crate::store::{Answer, Began, Owner};
 use crate::table::{decide_entry, Change, Decision, StoreError};
 
+/// Reads of one request that may fail to reach etcd before it follows `on_unavailable`.
+const RELOOKS: u8 = 2;
+
 impl EtcdStore {
     /// A request's first step: read the key. etcd serves a Range without a raft proposal
     /// (a linearizable read confirms the leader with ReadIndex, it does not propose), so a
@@ -34,6 +37,13 @@ impl EtcdStore {
                 Some(refused) => self.answer(round.who, refused),
                 None => self.rounds.push_back(Round { takeover: None, ..round }),
             },
+            // Nothing reached etcd (a member down that Envoy still sends to, until its health
+            // check says so): read again when the backoff lets a call through, for a while.
+            Err(err) if err.kind() == ErrorKind::Unreachable && round.attempts < RELOOKS => {
+                log::debug!("etcd: read did not reach etcd ({err:?}); reading again");
+                let deadline = now.saturating_add(2 * self.link.timeout_ms);
+                self.relooks.push_back((Round { attempts: round.attempts + 1, ..round }, deadline));
+            }
             Err(err) => {
                 log::warn!("etcd: read failed: {err:?}");
                 self.answer(round.who, Began::Unavailable);

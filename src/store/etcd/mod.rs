@@ -56,6 +56,7 @@ const WAIT_POLL_MS: u64 = 100;
 
 /// One round of a request's claim: its first read, then a claim of the key found absent or
 /// a takeover of the entry found expired.
+#[derive(Clone)]
 struct Round {
     who: For,
     store_key: StoreKey,
@@ -181,6 +182,10 @@ pub struct EtcdStore {
     /// Rounds that read their key and now write it (a claim or a takeover): each waits for a
     /// usable VM lease.
     rounds: VecDeque<Round>,
+    /// Reads that did not reach etcd (a member down that Envoy still sends to), to be read
+    /// again when the backoff lets a call through, each until its deadline: one dead member
+    /// of three must not turn a request into a 503 at once.
+    relooks: VecDeque<(Round, u64)>,
     inflight: IdMap<u64, Op>,
     outbox: VecDeque<(u64, CallRequest)>,
     answers: VecDeque<(For, Answer)>,
@@ -227,6 +232,7 @@ impl EtcdStore {
             owners: IdMap::default(),
             next_owner: 1,
             rounds: VecDeque::new(),
+            relooks: VecDeque::new(),
             inflight: IdMap::default(),
             outbox: VecDeque::new(),
             answers: VecDeque::new(),
@@ -395,6 +401,7 @@ impl EtcdStore {
                 }
             }
         }
+        self.pump_relooks(now);
     }
 
     /// The VM's lease, and a retention lease for every policy's retention, so that
@@ -443,6 +450,22 @@ impl EtcdStore {
         let request = Request::Grant { ttl_s: retention_s + slack_s(retention_s) };
         if !self.send(request, Op::GrantRetention(retention_s), now) {
             self.retention_pending.remove(&retention_s);
+        }
+    }
+
+    /// Reads again what did not reach etcd, as the backoff lets calls through (one probe at a
+    /// time while it fails); past its deadline a request follows `on_unavailable`.
+    fn pump_relooks(&mut self, now: u64) {
+        while let Some((round, deadline)) = self.relooks.pop_front() {
+            if now >= deadline {
+                self.answers.push_back((round.who, Answer::Began(Began::Unavailable)));
+                continue;
+            }
+            let request = Request::Range { key: round.key.clone() };
+            if !self.send(request.clone(), Op::Look { round: round.clone() }, now) {
+                self.relooks.push_front((round, deadline));
+                break;
+            }
         }
     }
 
@@ -631,6 +654,7 @@ impl Store for EtcdStore {
         let all = [
             ("etcd_inflight", self.inflight.len()),
             ("etcd_rounds", self.rounds.len()),
+            ("etcd_relooks", self.relooks.len()),
             ("etcd_owners", self.owners.len()),
             ("etcd_cleanups", self.cleanups.len()),
             ("etcd_outbox", self.outbox.len()),
@@ -642,6 +666,7 @@ impl Store for EtcdStore {
     fn is_idle(&self) -> bool {
         self.inflight.is_empty()
             && self.rounds.is_empty()
+            && self.relooks.is_empty()
             && self.owners.is_empty()
             && self.cleanups.is_empty()
             && self.outbox.is_empty()

@@ -917,3 +917,36 @@ fn past_its_write_budget_the_heaviest_writers_new_keys_get_429_and_everything_el
     // writes again.
     assert!(matches!(begin_scoped(&mut s, &mut m, "Bearer flood", 99, 81_000), Began::Claimed { .. }));
 }
+
+#[test]
+fn a_read_that_did_not_reach_etcd_is_read_again_not_refused_at_once() {
+    // One member of three dead, Envoy not yet told by its health check: a read sent to it
+    // comes back UNAVAILABLE. The request is read again once the backoff lets a call through.
+    let (mut s, mut m) = (store(1), Model::new());
+    run(&mut s, &mut m, 0); // the leases
+    assert!(s.begin(For::Stream(1), &claim("k"), 10).is_none());
+    let (n, request) = s.poll_call().expect("the read");
+    assert!(matches!(request.kind, CallKind::Grpc { method: "Range", .. }));
+    s.on_call_answer(n, &status_answer(14, "upstream connect error or disconnect/reset before headers"), 11);
+    assert!(answers(&mut s).is_empty(), "not refused at once");
+    s.tick(400);
+    run(&mut s, &mut m, 400);
+    assert!(matches!(began(&mut s), Began::Claimed { .. }));
+    // A store that stays unreachable: the request follows on_unavailable after two more reads.
+    assert!(s.begin(For::Stream(2), &claim("j"), 1_000).is_none());
+    let mut reads = 0;
+    for now in (1_000..6_000).step_by(100) {
+        while let Some((n, request)) = s.poll_call() {
+            reads += usize::from(matches!(request.kind, CallKind::Grpc { method: "Range", .. }));
+            s.on_call_answer(n, &status_answer(14, "unreachable"), now);
+        }
+        s.tick(now);
+        if let Some((who, answer)) = s.poll_answer() {
+            assert_eq!((who, format!("{answer:?}")), (For::Stream(2), "Began(Unavailable)".to_string()));
+            assert!(now <= 3_100, "answered within two timeouts of the last read: {now}");
+            break;
+        }
+    }
+    // The backoff decides how many reads go (lease grants probe too): never more than three.
+    assert!((1..=3).contains(&reads), "{reads} reads");
+}
