@@ -129,7 +129,7 @@ pub struct Policy {
     pub require_key: bool,
     pub max_key_length: usize,
     pub scope_headers: Vec<String>,
-    /// Scope by the mTLS peer's identity (URI SAN, else `source.principal`).
+    /// Scope by the mTLS peer's identity: its certificate's first URI SAN.
     pub scope_peer: bool,
     pub scope_jwt_claim: Option<JwtClaim>,
     pub missing_scope: MissingScope,
@@ -170,6 +170,9 @@ pub struct Rule {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     pub namespace: String,
+    /// `mode: "observe"`: decide, count, log and record as enforcing would, and change
+    /// nothing on the wire (every request goes on through the router, untouched).
+    pub observe: bool,
     /// Puts this instance's metrics apart from another's in the same Envoy:
     /// `idempotency.<stat_prefix>.<name>` (`None`: `idempotency.<name>`, as before it existed).
     pub stat_prefix: Option<String>,
@@ -235,6 +238,7 @@ impl Default for Config {
         Config {
             namespace: "idem".into(),
             stat_prefix: None,
+            observe: false,
             capacity: 65_536,
             max_store_bytes: 128 << 20,
             max_waiters: 1_024,
@@ -309,6 +313,13 @@ impl Config {
             match f {
                 "namespace" => c.namespace = namespace(f, v)?,
                 "stat_prefix" => c.stat_prefix = Some(stat_prefix(f, v)?),
+                "mode" => {
+                    c.observe = match string(f, v)? {
+                        "enforce" => false,
+                        "observe" => true,
+                        other => return Err(err(f, format!("expected \"enforce\" or \"observe\", got {other:?}"))),
+                    }
+                }
                 "capacity" => c.capacity = int(f, v, 1, MAX_CAPACITY)? as usize,
                 "max_store_bytes" => c.max_store_bytes = int(f, v, 0, MAX_STORE_BYTES)?,
                 "max_waiters" => c.max_waiters = int(f, v, 0, 1 << 20)? as usize,
@@ -338,7 +349,22 @@ impl Config {
             }
         }
         c.finish(store_bytes_given)?;
+        if c.observe {
+            c.observe_only();
+        }
         Ok(c)
+    }
+
+    /// Observe mode changes nothing on the wire: the router forwards every request as it came
+    /// (no detached call, no fencing header set or removed, no replay loopback), and no request
+    /// is held (wait mode decides as reject mode would).
+    fn observe_only(&mut self) {
+        self.fencing_header = None;
+        self.grpc_replay_loopback = false;
+        for p in std::iter::once(&mut self.policy).chain(self.rules.iter_mut().map(|r| &mut r.policy)) {
+            p.forward = Forward::Router;
+            p.on_conflict = OnConflict::Reject;
+        }
     }
 
     /// Checks the values that only make sense together (SPEC §3.8), and fits the default

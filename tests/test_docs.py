@@ -25,7 +25,7 @@ def test_every_configuration_field_is_in_configuration_md():
     fields = set(re.findall(r'^\s+"([a-z_]+)" => ', source, re.M))
     fields -= {"kind", "match", "prefix", "path", "route_name", "payload", "claim", "grpc",
                "json", "reject", "pass", "share", "wait", "detached", "router", "etcd", "loopback", "off",
-               "shared_data"}
+               "shared_data", "enforce", "observe"}
     assert {"lease_ms", "fencing_header", "local_replays", "clusters"} <= fields, fields
     doc = read("docs", "configuration.md")
     missing = sorted(f for f in fields if f"`{f}`" not in doc)

@@ -79,6 +79,10 @@ impl<S: Store> Lifecycle<S> {
             }
             Some(other) => {
                 log::warn!("unexpected store answer to a claim: {other:?}");
+                if self.config.observe {
+                    self.observed(id, "store-unavailable");
+                    return Flow::Continue;
+                }
                 self.problem(id, Problem::store_unavailable(policy.retry_after_s));
                 Flow::Pause
             }
@@ -148,6 +152,11 @@ impl<S: Store> Lifecycle<S> {
                 self.go_upstream(id, policy, Some(owner), outbound, leased_ms)
             }
             Began::InProgress => self.in_progress(id, held, lazy, now),
+            Began::Replay(_) if self.config.observe => {
+                self.count(Counter::Replayed);
+                self.observed(id, "replayed");
+                Next::Router
+            }
             Began::Replay(response) => {
                 self.count(Counter::Replayed);
                 if self.replays_through_loopback(id, &response) {
@@ -184,6 +193,10 @@ impl<S: Store> Lifecycle<S> {
 
     fn refuse(&mut self, id: u32, counter: Counter, problem: Problem) -> Next {
         self.count(counter);
+        if self.config.observe {
+            self.observed(id, problem.slug());
+            return Next::Router;
+        }
         self.problem(id, problem);
         Next::Hold
     }
@@ -257,6 +270,10 @@ impl<S: Store> Lifecycle<S> {
     fn unavailable(&mut self, id: u32, policy: usize, outbound: Option<Outbound>) -> Next {
         self.count(Counter::StoreError);
         let pass = matches!(&self.config.store, StoreConfig::Etcd(e) if e.on_unavailable == OnUnavailable::Pass);
+        if self.config.observe {
+            self.observed(id, if pass { "pass-store-unavailable" } else { "store-unavailable" });
+            return Next::Router;
+        }
         if !pass {
             let retry_after_s = self.policy(policy).retry_after_s;
             self.problem(id, Problem::store_unavailable(retry_after_s));

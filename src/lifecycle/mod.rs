@@ -279,6 +279,11 @@ impl<S: Store> Lifecycle<S> {
         let (covered, grpc) = request::read_headers(&config, p, &read.method, read.headers, host);
         let flow = match covered {
             Covered::No => Flow::Continue,
+            Covered::Refused(problem, counter) if config.observe => {
+                self.count(counter);
+                self.record(id, problem.slug());
+                Flow::Continue
+            }
             Covered::Refused(problem, counter) => {
                 self.count(counter);
                 self.streams.insert(id, Stream { policy, phase: Phase::Pass, grpc, note: record::Note::default() });
@@ -321,6 +326,10 @@ impl<S: Store> Lifecycle<S> {
         let max = self.config.policy(stream.policy).max_request_body_bytes;
         let flow = if size > max {
             self.count(Counter::TooLarge);
+            if self.config.observe {
+                self.observed(id, "body-too-large");
+                return Flow::Continue;
+            }
             self.reply(id, Reply::Problem(Problem::body_too_large(max)));
             Flow::Pause
         } else if !end_of_stream {
@@ -464,6 +473,13 @@ impl<S: Store> Lifecycle<S> {
 
     fn problem(&mut self, id: u32, problem: Problem) {
         self.reply(id, Reply::Problem(problem));
+    }
+
+    /// Observe mode: what enforcing would have answered is recorded, and the request goes on
+    /// as it came (the caller lets it: `Flow::Continue` in its own callback, a resume else).
+    fn observed(&mut self, id: u32, decision: &str) {
+        self.record(id, decision);
+        self.set_phase(id, Phase::Pass);
     }
 
     fn log_missing_scope(&mut self, now: u64) {

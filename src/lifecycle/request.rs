@@ -139,10 +139,9 @@ fn scope_values(policy: &Policy, headers: &HeaderMap, host: &dyn Host) -> Vec<Op
         })
         .collect();
     if policy.scope_peer {
-        let peer = host
-            .property(&["connection", "uri_san_peer_certificate"])
-            .filter(|v| !v.is_empty())
-            .or_else(|| host.property(&["source", "principal"]).filter(|v| !v.is_empty()));
+        // The peer certificate's first URI SAN (a SPIFFE id under Istio); a certificate
+        // without one is no scope.
+        let peer = host.property(&["connection", "uri_san_peer_certificate"]).filter(|v| !v.is_empty());
         scopes.push(peer);
     }
     if let Some(jwt) = &policy.scope_jwt_claim {

@@ -139,6 +139,11 @@ impl<S: Store> Lifecycle<S> {
             log::error!(
                 "no request body reached the plugin within {BODY_WAIT_MS} ms: set allow_on_headers_stop_iteration: true in the Wasm filter's config"
             );
+            if self.config.observe {
+                self.observed(id, "misconfigured");
+                self.effects.push(super::Effect::Resume { stream: id });
+                continue;
+            }
             self.problem(id, Problem::body_unavailable());
         }
     }

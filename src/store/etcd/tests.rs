@@ -426,6 +426,16 @@ fn sharded_keys_live_on_one_cluster_each_and_survive_the_others_outage() {
             }
         }
     }
+    // A read that did not reach etcd is read again until its deadline (two timeouts), then
+    // follows on_unavailable: every key of the down cluster is answered by then.
+    for now in (100..=2_200).step_by(100) {
+        s.tick(now);
+        serve(&mut s, &mut models, down_b, now);
+        for (_, a) in std::iter::from_fn(|| s.poll_answer()) {
+            assert!(matches!(a, Answer::Began(Began::Unavailable)), "{a:?}");
+            unavailable += 1;
+        }
+    }
     assert_eq!((replays, unavailable), (on_a, on_b));
 }
 
