@@ -5,7 +5,7 @@ Not a test: one upstream, two Envoys (one per mode), and
 N unique-key POSTs with T threads on keep-alive connections through each, interleaved
 (router, detached, router, detached, ...). Prints req/s per run and the ratio
 detached/router of the means. Absolute numbers are noise on a shared 2-core machine; the
-ratio within one run is the result (SPEC §4 measured 10-25 % cost for detached).
+ratio within one run is the result (docs/behaviour.md §4 measured 10-25 % cost for detached).
 
 Run: .venv/bin/python bench/measure_modes.py [--requests 3000] [--threads 16] [--rounds 2]
 """

@@ -4,7 +4,7 @@ mark under load when lease_ms is short, and duplicates follow.
 
 Pairs of clients send the same key at about the same moment and leave after 0-30 ms
 (half with RST); the upstream answers after 0-30 ms. Every key must have exactly one
-effect (SPEC §3.5: a detached call's mark is renewed while the call is in flight). On a busy
+effect (docs/behaviour.md §3.5: a detached call's mark is renewed while the call is in flight). On a busy
 2-core machine the Envoy worker stalls for hundreds of ms: renewal (only from on_tick, every
 lease_ms/4, and first due lease_ms/4 after the *dispatch*, not the claim) comes too late, the
 sweep or the pair's second request finds the mark expired, and the upstream runs twice.

@@ -1,4 +1,4 @@
-//! Bytes a worker buffers for requests in flight (SPEC §3.8, `max_buffered_bytes`): captures
+//! Bytes a worker buffers for requests in flight (docs/behaviour.md §3.8, `max_buffered_bytes`): captures
 //! of router-mode answers and the bodies of held duplicates share one total per worker. A
 //! [`Reservation`] gives its bytes back when it is dropped, however its request ends.
 

@@ -1,5 +1,5 @@
 //! Who a key belongs to, as the store tells callers apart for fair share
-//! (docs/how-it-works.md, "Fair share"): a 20-bit digest of the request's scope values. The
+//! (docs/memory.md, "Fair share"): a 20-bit digest of the request's scope values. The
 //! scope itself is never stored; the digest is what logs and figures show.
 
 /// A caller's tag. `ANONYMOUS` (0) is every request without a scope: no scope configured, or

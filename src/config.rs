@@ -8,7 +8,7 @@
 use serde_json::Value;
 use std::fmt;
 
-/// What to do with a duplicate that meets an in-progress first call (SPEC §3.3).
+/// What to do with a duplicate that meets an in-progress first call (docs/behaviour.md §3.3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnConflict {
     /// Answer 409 at once.
@@ -17,7 +17,7 @@ pub enum OnConflict {
     Wait,
 }
 
-/// Who sends a covered request upstream (SPEC §3.2).
+/// Who sends a covered request upstream (docs/behaviour.md §3.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Forward {
     /// The plugin sends it itself (`dispatch_http_call`), so the client's departure does not
@@ -27,7 +27,7 @@ pub enum Forward {
     Router,
 }
 
-/// What a covered request gets when its configured scope is absent (SPEC §3.1).
+/// What a covered request gets when its configured scope is absent (docs/behaviour.md §3.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MissingScope {
     /// Forwarded unprotected, as if the plugin were not there: nothing claimed or replayed.
@@ -187,11 +187,11 @@ pub struct Config {
     /// entry reads the store once (its bucket), not twice.
     pub replay_cache_bytes: usize,
     pub store: StoreConfig,
-    /// The request header that carries a first call's fencing token upstream (SPEC §3.9);
+    /// The request header that carries a first call's fencing token upstream (docs/behaviour.md §3.9);
     /// the client's own value is removed from every request.
     pub fencing_header: Option<String>,
     /// gRPC results with messages replay through the replay loopback (`"loopback"`): a route
-    /// for `grpc::REPLAY_PATH` to a listener that answers by itself (SPEC §3.10).
+    /// for `grpc::REPLAY_PATH` to a listener that answers by itself (docs/behaviour.md §3.10).
     pub grpc_replay_loopback: bool,
     /// The policy of requests no rule matches.
     pub policy: Policy,
@@ -221,7 +221,7 @@ impl Default for Policy {
             on_conflict: OnConflict::Reject,
             wait_max_ms: 5_000,
             release_statuses: StatusSet { ranges: vec![(500, 599), (408, 408), (425, 425), (429, 429)] },
-            // The server-side failures (SPEC §3.10): UNKNOWN, DEADLINE_EXCEEDED,
+            // The server-side failures (docs/behaviour.md §3.10): UNKNOWN, DEADLINE_EXCEEDED,
             // RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE, DATA_LOSS.
             release_grpc_statuses: [2, 4, 8, 13, 14, 15].iter().fold(0, |set, code| set | 1 << code),
             max_request_body_bytes: 1 << 20,
@@ -367,7 +367,7 @@ impl Config {
         }
     }
 
-    /// Checks the values that only make sense together (SPEC §3.8), and fits the default
+    /// Checks the values that only make sense together (docs/behaviour.md §3.8), and fits the default
     /// `max_response_bytes` to the store, or the default store to a `max_response_bytes`
     /// given (`store_bytes_given`: whether `max_store_bytes` was).
     fn finish(&mut self, store_bytes_given: bool) -> Result<(), ConfigError> {

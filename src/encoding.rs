@@ -50,7 +50,7 @@ impl State {
 
 /// One entry's header. `gen` is the claim's token: only its holder may complete, release or
 /// renew, and it fences late writers. Tokens grow with every claim of a bucket (and with the
-/// clock, across restarts), so later claims of one key always carry larger ones (SPEC §3.9).
+/// clock, across restarts), so later claims of one key always carry larger ones (docs/behaviour.md §3.9).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
     pub state: State,

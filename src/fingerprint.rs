@@ -1,4 +1,4 @@
-//! The request fingerprint (SPEC §3.3, §3.6): a key reused for a different request gets 422.
+//! The request fingerprint (docs/behaviour.md §3.3, §3.6): a key reused for a different request gets 422.
 //!
 //! It covers the method, the raw path with its query (byte for byte: `?a=1&b=2` and `?b=2&a=1`
 //! are different requests to us), the values of the configured `fingerprint_headers` looked up

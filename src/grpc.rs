@@ -1,4 +1,4 @@
-//! gRPC callers (SPEC §3.10): the plugin's own answers as trailers-only gRPC errors, and the
+//! gRPC callers (docs/behaviour.md §3.10): the plugin's own answers as trailers-only gRPC errors, and the
 //! stored result of a failed call replayed as the same status and trailers.
 //!
 //! The codes follow gRPC's status code guide and Google's AIP-193: a duplicate in progress is
@@ -71,7 +71,7 @@ pub fn status_of<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Op
 }
 
 impl GrpcAnswer {
-    /// The plugin's own answer in gRPC's terms (SPEC §3.10).
+    /// The plugin's own answer in gRPC's terms (docs/behaviour.md §3.10).
     pub fn for_problem(p: &Problem) -> GrpcAnswer {
         let code = match (p.status, p.slug()) {
             (409, "in-progress") => ABORTED,

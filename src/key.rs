@@ -1,4 +1,4 @@
-//! The `Idempotency-Key` header (SPEC §3.1) and the store key derived from it.
+//! The `Idempotency-Key` header (docs/behaviour.md §3.1) and the store key derived from it.
 
 /// Why a key header was refused with 400.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

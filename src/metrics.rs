@@ -1,5 +1,5 @@
-//! The plugin's Envoy stats (SPEC §3.7). Envoy shows them as `wasmcustom.<name>` in `/stats`
-//! and `envoy_wasmcustom_<name>` in `/stats/prometheus`; names are part of the interface.
+//! The plugin's Envoy stats (docs/behaviour.md §3.7). Envoy shows them as `wasmcustom.<name>` in `/stats`
+//! and `idempotency_<name>` in `/stats/prometheus` (Envoy 1.40); names are part of the interface.
 
 /// One counter per outcome of a covered request or of an owner's write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

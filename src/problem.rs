@@ -1,4 +1,4 @@
-//! The errors the plugin answers itself (SPEC §3.6): `application/problem+json` (RFC 9457)
+//! The errors the plugin answers itself (docs/behaviour.md §3.6): `application/problem+json` (RFC 9457)
 //! with `type`, `title`, `status`, `detail`, `retryable` and, when retryable, `retry_after`.
 
 use std::borrow::Cow;
@@ -61,7 +61,7 @@ impl Problem {
         )
     }
 
-    /// The configured scope is absent and `missing_scope` is `"reject"` (SPEC §3.1).
+    /// The configured scope is absent and `missing_scope` is `"reject"` (docs/behaviour.md §3.1).
     pub fn scope_missing() -> Problem {
         Problem::new(
             401,

@@ -1,4 +1,4 @@
-//! The effective retention (SPEC §3.7): how old the youngest entry evicted in the last minute
+//! The effective retention (docs/behaviour.md §3.7): how old the youngest entry evicted in the last minute
 //! was, that is the replay window the traffic really gets when room runs out. Every worker
 //! evicts, so the figure is kept for the whole process in one shared-data key, as two windows
 //! of a minute (the current one and the one before); each worker adds what it evicted about

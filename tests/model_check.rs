@@ -1,4 +1,4 @@
-//! Model checking of the store protocol (SPEC §3.8) with loom: three callers claim, renew,
+//! Model checking of the store protocol (docs/behaviour.md §3.8) with loom: three callers claim, renew,
 //! complete, release and take over one key against a store with Envoy's shared-data CAS
 //! semantics, and loom runs every interleaving of their store operations (bounded by
 //! `LOOM_MAX_PREEMPTIONS`, 3 by default here).
@@ -17,7 +17,7 @@ use loom::sync::{Arc, Mutex};
 use loom::thread;
 use std::collections::HashMap;
 
-/// Envoy's shared data (SPEC §4) on loom's mutex: every get and set is a point where loom
+/// Envoy's shared data (docs/behaviour.md §4) on loom's mutex: every get and set is a point where loom
 /// may switch threads.
 struct LoomKv {
     /// Values with their cas, and the one global cas counter.

@@ -1,4 +1,4 @@
-//! The claim and what follows from the store's answer (SPEC §3.2–3.4): go upstream (router
+//! The claim and what follows from the store's answer (docs/behaviour.md §3.2–3.4): go upstream (router
 //! or detached), wait, or answer 409, the replay, or a problem.
 
 use std::rc::Rc;
@@ -39,7 +39,7 @@ impl LazyOutbound<'_> {
 }
 
 impl<S: Store> Lifecycle<S> {
-    /// The whole request is here: claim the key or learn what holds it (SPEC §3.2–3.4).
+    /// The whole request is here: claim the key or learn what holds it (docs/behaviour.md §3.2–3.4).
     pub(super) fn claim(&mut self, host: &dyn Host, id: u32, body: Vec<u8>, now: u64) -> Flow {
         let Some(stream) = self.streams.get_mut(&id) else { return Flow::Continue };
         let Phase::ReadingBody { pending, .. } = std::mem::replace(&mut stream.phase, Phase::Pass) else {
@@ -183,7 +183,7 @@ impl<S: Store> Lifecycle<S> {
         }
     }
 
-    /// A gRPC result with messages: a local reply cannot carry them (SPEC §4), a response
+    /// A gRPC result with messages: a local reply cannot carry them (docs/behaviour.md §4), a response
     /// through the router can.
     fn replays_through_loopback(&self, id: u32, response: &StoredResponse) -> bool {
         self.config.grpc_replay_loopback
@@ -217,7 +217,7 @@ impl<S: Store> Lifecycle<S> {
         match outbound {
             Some(mut request) => {
                 if let Some((name, token)) = fence {
-                    // The client's value never goes on; the claim's token does (SPEC §3.9).
+                    // The client's value never goes on; the claim's token does (docs/behaviour.md §3.9).
                     request.headers = request.headers.replaced(&name, token.as_deref());
                 }
                 let grpc = self.streams.get(&id).is_some_and(|s| s.grpc);
@@ -266,7 +266,7 @@ impl<S: Store> Lifecycle<S> {
         self.refuse(id, Counter::Conflict, Problem::in_progress(p.retry_after_s))
     }
 
-    /// The store does not answer: `on_unavailable` decides (SPEC §2).
+    /// The store does not answer: `on_unavailable` decides (docs/behaviour.md §2).
     fn unavailable(&mut self, id: u32, policy: usize, outbound: Option<Outbound>) -> Next {
         self.count(Counter::StoreError);
         let pass = matches!(&self.config.store, StoreConfig::Etcd(e) if e.on_unavailable == OnUnavailable::Pass);

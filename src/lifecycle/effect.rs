@@ -26,7 +26,7 @@ pub enum Reply {
         response: Rc<StoredResponse>,
         replayed: bool,
     },
-    /// A trailers-only gRPC answer to a gRPC call (SPEC §3.10).
+    /// A trailers-only gRPC answer to a gRPC call (docs/behaviour.md §3.10).
     Grpc(crate::grpc::GrpcAnswer),
 }
 
@@ -39,7 +39,7 @@ pub enum Effect {
         reply: Reply,
     },
     /// Set (`Some`) or remove (`None`) one of `stream`'s request headers before the request
-    /// goes on: the fencing token (SPEC §3.9).
+    /// goes on: the fencing token (docs/behaviour.md §3.9).
     SetRequestHeader {
         stream: u32,
         name: String,

@@ -1,4 +1,4 @@
-//! Fencing tokens (SPEC §3.9): every first call carries one, larger for every later claim of
+//! Fencing tokens (docs/behaviour.md §3.9): every first call carries one, larger for every later claim of
 //! its key, in both stores and both forward modes; the client's own value never goes on.
 
 use super::fleet_tests::{replica, settle};

@@ -1,4 +1,4 @@
-//! The upstream's answer, in both forward modes (SPEC §3.4): a release status or no answer at
+//! The upstream's answer, in both forward modes (docs/behaviour.md §3.4): a release status or no answer at
 //! all releases the key; any other status completes it, with the response when it fits.
 
 use std::rc::Rc;
@@ -28,7 +28,7 @@ pub(super) struct Capture {
 }
 
 /// How a detached call ended. Envoy's own answers carry no `x-envoy-upstream-service-time`
-/// and a telltale body (SPEC §4).
+/// and a telltale body (docs/behaviour.md §4).
 enum Outcome {
     Answer(StoredResponse),
     NoAnswer { status: u16, reason: &'static str },
@@ -188,7 +188,7 @@ impl<S: Store> Lifecycle<S> {
         }
     }
 
-    /// Completes with the answer, then sends it (read your writes, SPEC §3.4), from the same
+    /// Completes with the answer, then sends it (read your writes, docs/behaviour.md §3.4), from the same
     /// bytes (the VM holds one copy). A store that answers later (etcd) has it held until it
     /// acknowledged the completion, or for `write_wait_ms` at most.
     fn complete_then_answer(
@@ -224,7 +224,7 @@ impl<S: Store> Lifecycle<S> {
         match end.reply {
             Some(response) => self.reply(end.stream, Reply::Stored { response, replayed: false }),
             // A stream Envoy has ended must not be resumed: its callbacks would reach a
-            // context the SDK has dropped (SPEC §4).
+            // context the SDK has dropped (docs/behaviour.md §4).
             None if end.paused && self.streams.contains_key(&end.stream) => {
                 self.effects.push(Effect::ResumeResponse { stream: end.stream })
             }
@@ -308,7 +308,7 @@ impl<S: Store> Lifecycle<S> {
         flow
     }
 
-    /// A gRPC call's end: its status is in the trailers (SPEC §3.10). A server-side failure
+    /// A gRPC call's end: its status is in the trailers (docs/behaviour.md §3.10). A server-side failure
     /// releases the key; a failure the client caused is stored with its trailers, to replay
     /// as the same status; a result with messages completes the key without its response,
     /// which a local reply could not replay.
@@ -353,7 +353,7 @@ impl<S: Store> Lifecycle<S> {
         let headers = host.response_headers();
         let status = status_of(&headers);
         // Only an answer the upstream really gave completes the key; Envoy's own (connect
-        // failure, reset, route timeout) says the work may not have happened (SPEC §4). Not
+        // failure, reset, route timeout) says the work may not have happened (docs/behaviour.md §4). Not
         // told by `x-envoy-upstream-service-time`: a filter's own reply may relay it from a
         // side call (ext_authz's denial copies its server's headers).
         let via_upstream = host.property(&["response", "code_details"]).as_deref() == Some(b"via_upstream");
@@ -406,7 +406,7 @@ impl<S: Store> Lifecycle<S> {
             if buffered {
                 // Read-your-writes holds every byte until the store acknowledged the
                 // completion: a client that counts Content-Length must not have the answer
-                // before its end (SPEC §3.4). Envoy buffers it; `size` is all so far.
+                // before its end (docs/behaviour.md §3.4). Envoy buffers it; `size` is all so far.
                 let more = size.saturating_sub(reservation.bytes().saturating_sub(c.head));
                 if c.head + size <= max && reservation.grow(more) {
                     flow = Flow::Pause;

@@ -1,4 +1,4 @@
-//! gRPC calls (SPEC §3.10): the plugin's answers in gRPC's terms, release by `grpc-status`,
+//! gRPC calls (docs/behaviour.md §3.10): the plugin's answers in gRPC's terms, release by `grpc-status`,
 //! failed results replayed as the same status and trailers.
 
 use super::tests::{count, headers, lifecycle, replies, send, FakeHost};

@@ -1,4 +1,4 @@
-//! The request's lifecycle (SPEC §3), sans I/O: events in (request headers, body, the upstream's
+//! The request's lifecycle (docs/behaviour.md §3), sans I/O: events in (request headers, body, the upstream's
 //! answer, a store's answer, the timer, a stream's end), effects out (reply, resume, dispatch,
 //! count). One implementation for both stores and both forward modes: what differs between
 //! stores lives behind [`Store`]. It reads Envoy through [`Host`] during an event and the time
@@ -77,7 +77,7 @@ pub struct Lifecycle<S> {
     /// Claims whose mark is renewed while their call lives, by owner id.
     holdings: IdMap<u64, Holding>,
     /// Answers whose end waits for the store to acknowledge their completion (read your
-    /// writes, SPEC §3.4), by owner id.
+    /// writes, docs/behaviour.md §3.4), by owner id.
     ends: IdMap<u64, HeldEnd>,
     effects: Vec<Effect>,
     /// Bytes buffered for requests in flight: router captures, held bodies.
@@ -85,7 +85,7 @@ pub struct Lifecycle<S> {
     next_call: u64,
     next_renewal_ms: u64,
     scope_logged_ms: u64,
-    /// Whether this VM ever got a request body callback (SPEC §4).
+    /// Whether this VM ever got a request body callback (docs/behaviour.md §4).
     body_seen: bool,
     wake_sent: bool,
     /// Streams held in wait mode (`max_waiters`).
@@ -99,7 +99,7 @@ pub struct Lifecycle<S> {
 struct Stream {
     policy: usize,
     phase: Phase,
-    /// A gRPC call: the plugin's answers are gRPC's (SPEC §3.10).
+    /// A gRPC call: the plugin's answers are gRPC's (docs/behaviour.md §3.10).
     grpc: bool,
     /// What its record (filter state) will say besides the decision.
     note: record::Note,
@@ -121,7 +121,7 @@ enum Phase {
     /// We answered locally; our own reply passes through our response callbacks.
     Replied,
     /// A gRPC replay with messages: the request went to the replay loopback, whose answer
-    /// becomes the stored one (SPEC §3.10).
+    /// becomes the stored one (docs/behaviour.md §3.10).
     GrpcReplay { response: Rc<crate::encoding::StoredResponse>, replayed: bool },
 }
 
@@ -179,7 +179,7 @@ struct Outgoing {
 }
 
 /// Timer periods: renewal and retries want 50 ms; wait mode polls held requests on the same
-/// timer, so it wants 20 ms (SPEC §4).
+/// timer, so it wants 20 ms (docs/behaviour.md §4).
 pub const TICK_MS: u64 = 50;
 pub const WAIT_TICK_MS: u64 = 20;
 
@@ -354,7 +354,7 @@ impl<S: Store> Lifecycle<S> {
     }
 
     /// The stream ended. A router owner whose client left before the answer: the outcome is
-    /// unknown, so its mark is no longer renewed and expires (SPEC §3.5). A detached call
+    /// unknown, so its mark is no longer renewed and expires (docs/behaviour.md §3.5). A detached call
     /// goes on.
     pub fn on_stream_done(&mut self, id: u32) {
         let Some(stream) = self.streams.remove(&id) else { return };
@@ -401,7 +401,7 @@ impl<S: Store> Lifecycle<S> {
         self.count_n(Counter::Expired, change.expired_marks);
     }
 
-    /// Answers `id` locally, if its stream is still open (SPEC §4: a reply to a stream Envoy
+    /// Answers `id` locally, if its stream is still open (docs/behaviour.md §4: a reply to a stream Envoy
     /// has reset would re-enter a context the SDK has dropped).
     fn reply(&mut self, id: u32, reply: Reply) {
         let Some(stream) = self.streams.get(&id) else { return };

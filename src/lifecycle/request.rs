@@ -1,4 +1,4 @@
-//! A covered request, from its headers (SPEC §3.1): the key, the caller's scope, the store
+//! A covered request, from its headers (docs/behaviour.md §3.1): the key, the caller's scope, the store
 //! key, the fingerprint so far, and what the root needs to send it itself.
 
 use crate::caller::Caller;
@@ -63,7 +63,7 @@ pub fn policy_for(config: &Config, host: &dyn Host, end_of_stream: bool) -> Read
 
 /// Reads a covered method's headers (unless `headers` has them): the key, the scope, the
 /// fingerprint's start. What the request's headers make of it, and whether it is a gRPC call
-/// (SPEC §3.10).
+/// (docs/behaviour.md §3.10).
 pub fn read_headers(
     config: &Config,
     policy: &Policy,
@@ -103,7 +103,7 @@ fn covered(
         Err(e) => return Covered::Refused(Problem::invalid_key(e.detail(policy.max_key_length)), Counter::InvalidKey),
     };
     let scopes = scope_values(policy, &headers, host);
-    // No caller to scope the key by (SPEC §3.1): `missing_scope` decides.
+    // No caller to scope the key by (docs/behaviour.md §3.1): `missing_scope` decides.
     let scope_shared = !scopes.is_empty() && scopes.iter().all(Option::is_none);
     if scope_shared {
         match policy.missing_scope {

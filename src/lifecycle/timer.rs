@@ -7,7 +7,7 @@ use crate::problem::Problem;
 use crate::store::{CallAnswer, Store};
 
 /// How long a covered request may wait for its first body callback before we conclude that
-/// Envoy will never deliver bodies to this filter (SPEC §4).
+/// Envoy will never deliver bodies to this filter (docs/behaviour.md §4).
 const BODY_WAIT_MS: u64 = 3_000;
 
 impl<S: Store> Lifecycle<S> {

@@ -1,4 +1,4 @@
-//! Wait mode (SPEC §3.3, `on_conflict: "wait"`): duplicates held at the gateway until the
+//! Wait mode (docs/behaviour.md §3.3, `on_conflict: "wait"`): duplicates held at the gateway until the
 //! first call's outcome is known. The timer asks the store once per distinct request; the
 //! answer goes to every waiter of it, and a claim to the first one only.
 
@@ -78,7 +78,7 @@ impl<S: Store> Lifecycle<S> {
                 self.still_in_progress(&group, now)
             }
             // The first call was in progress when last seen: a held duplicate never goes
-            // upstream on a store that fails or does not answer (SPEC §3.8); it asks again
+            // upstream on a store that fails or does not answer (docs/behaviour.md §3.8); it asks again
             // until `wait_max_ms`, then gets the 409.
             Began::InProgress | Began::Unavailable | Began::Failed(_) => self.still_in_progress(&group, now),
             // Completed, mismatched, full: every waiter gets the same answer (a replay is

@@ -1,6 +1,6 @@
 //! `on_configure`: the configuration parsed once, the lifecycle and its store built over
 //! Envoy's shared data (`crate::build`; the base VM creates the table before any worker serves:
-//! SPEC §4), the queue registered.
+//! docs/behaviour.md §4), the queue registered.
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -27,7 +27,7 @@ pub fn configure(root_id: u32) -> Result<Vm, String> {
     let vm = Vm::new(lifecycle);
     if needs_queue {
         // One queue per root, under a name no other uses: the last VM to register a name
-        // receives all its notifications (SPEC §4).
+        // receives all its notifications (docs/behaviour.md §4).
         let mut h = RandomState::new().build_hasher();
         h.write_u32(root_id);
         let name = format!("{namespace}:detached:{:016x}", h.finish());

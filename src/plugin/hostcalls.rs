@@ -1,5 +1,5 @@
 //! The one file that calls the host. The SDK's wrappers panic on statuses they don't expect
-//! (SPEC §4) and take `&str` header values only; these call the ABI directly where it matters,
+//! (docs/behaviour.md §4) and take `&str` header values only; these call the ABI directly where it matters,
 //! and turn every other failure into a `Result`.
 
 use proxy_wasm::hostcalls;
@@ -240,7 +240,7 @@ pub fn replace_response_body(size: usize, body: &[u8]) {
     let _ = hostcalls::set_buffer(BufferType::HttpResponseBody, 0, size, body);
 }
 
-/// Adds a response trailer; at the body's end Envoy creates the trailers (SPEC §4).
+/// Adds a response trailer; at the body's end Envoy creates the trailers (docs/behaviour.md §4).
 pub fn add_response_trailer(name: &str, value: &[u8]) {
     let _ = hostcalls::add_map_value_bytes(MapType::HttpResponseTrailers, name, value);
 }

@@ -54,7 +54,7 @@ impl Context for Root {
     }
 
     /// Calls in flight and unacknowledged writes would be lost with this root: it finishes
-    /// them first (SPEC §3.8).
+    /// them first (docs/behaviour.md §3.8).
     fn on_done(&mut self) -> bool {
         let idle = self.vm.as_ref().is_none_or(|vm| vm.read(|l| l.is_idle()));
         if let Some(vm) = &self.vm {

@@ -170,7 +170,7 @@ impl Vm {
     }
 
     /// Sends a call from the root context: the SDK files the answer under the root, which
-    /// outlives the client's stream (SPEC §4).
+    /// outlives the client's stream (docs/behaviour.md §4).
     fn dispatch(&self, call: CallId, request: CallRequest) {
         let timeout = Duration::from_millis(request.timeout_ms);
         let sent = match &request.kind {

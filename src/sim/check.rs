@@ -1,4 +1,4 @@
-//! The invariants the simulator checks, by name (SPEC §3.8 and the rest of §3). Each check
+//! The invariants the simulator checks, by name (docs/behaviour.md §3.8 and the rest of §3). Each check
 //! lives where its facts are known (`world.rs`); this file names them and keeps what failed.
 
 use std::fmt;

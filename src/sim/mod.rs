@@ -1,6 +1,6 @@
 //! A deterministic simulator of the whole lifecycle (tests only). One seed drives everything:
 //! several Envoys, each with worker VMs running the real [`Lifecycle`](crate::lifecycle) over
-//! the real stores, a model of Envoy's shared data per Envoy (SPEC §4 semantics), an etcd model
+//! the real stores, a model of Envoy's shared data per Envoy (docs/behaviour.md §4 semantics), an etcd model
 //! per cluster behind a network that delays, drops and stalls, an upstream that answers,
 //! fails, resets and hangs, and clients that retry and leave at any moment. Invariants are
 //! checked at every step ([`check`]); a violation names its invariant, the seed and the trace.

@@ -15,7 +15,7 @@ use crate::key::StoreKey;
 use crate::table::{Change, StoreError};
 
 /// Proof of a claim: only its holder completes, releases or renews the key. `fence` is the
-/// claim's fencing token (SPEC §3.9): larger for every later claim of the same key.
+/// claim's fencing token (docs/behaviour.md §3.9): larger for every later claim of the same key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Owner {
     pub id: u64,
@@ -31,7 +31,7 @@ pub enum For {
     Owner(Owner),
 }
 
-/// What a covered request meets (SPEC §3.2–3.4).
+/// What a covered request meets (docs/behaviour.md §3.2–3.4).
 #[derive(Debug, Clone)]
 pub enum Began {
     /// The key is ours: go upstream. `takeover` when it held this key's expired mark;

@@ -1,6 +1,6 @@
 //! The store of one Envoy process: the table over shared data ([`Table`]). Every operation
 //! answers at once; a completion or release the host refused is kept and retried from the
-//! timer until it is acknowledged (SPEC §3.8). The timer also sweeps expired entries and
+//! timer until it is acknowledged (docs/behaviour.md §3.8). The timer also sweeps expired entries and
 //! reports evictions to the effective-retention window.
 
 use std::collections::VecDeque;

@@ -10,7 +10,7 @@ pub enum KvError {
     Host(u32),
 }
 
-/// A key-value map with compare-and-swap, as Envoy's shared data offers it (SPEC §4):
+/// A key-value map with compare-and-swap, as Envoy's shared data offers it (docs/behaviour.md §4):
 /// - `get` of a missing key answers `(None, None)`; of a key holding an empty value,
 ///   `(None, Some(cas))`;
 /// - `set` with `cas` fails with `CasMismatch` if the key exists and its cas differs, but a

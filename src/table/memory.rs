@@ -1,4 +1,4 @@
-//! An in-memory [`SharedKv`] with Envoy's exact shared-data semantics (SPEC §4), including the
+//! An in-memory [`SharedKv`] with Envoy's exact shared-data semantics (docs/behaviour.md §4), including the
 //! flaw that a `set` on a missing key ignores `cas`. The core's tests run against it.
 
 use super::{KvError, SharedKv};

@@ -1,17 +1,17 @@
-//! The idempotency state machine (SPEC §3), sans I/O: it sees the store through [`SharedKv`]
+//! The idempotency state machine (docs/behaviour.md §3), sans I/O: it sees the store through [`SharedKv`]
 //! and the time as a number the caller passes in.
 //!
 //! # Layout
 //! The table has `buckets` buckets of [`ENTRIES`] entries. A store key hashes to one bucket; the
 //! bucket is one shared-data key holding the headers of its entries (state, owner token,
 //! fingerprint, deadline, age, size). Every decision about a key is taken from that one value
-//! and committed with one CAS on it, the only atomic step shared data offers (SPEC §4).
+//! and committed with one CAS on it, the only atomic step shared data offers (docs/behaviour.md §4).
 //! Responses live beside it, one data key per entry, written by the owner before it flips the
 //! entry to *completed*. All keys are created once, up front, so a CAS never meets the "set on a
 //! missing key ignores cas" flaw, and memory is bounded by the table size, however many
 //! distinct keys pass through.
 //!
-//! # Room (SPEC §3.4)
+//! # Room (docs/behaviour.md §3.4)
 //! A bucket is also the part of the table where room is made: a new key that finds no free or
 //! expired entry evicts the bucket's oldest completed entry, and a completion that would take the
 //! bucket's stored responses past its share of `max_store_bytes` evicts the oldest completed
@@ -23,7 +23,7 @@
 //! claimer's [`Ticket`] carries it. Only the holder of the current `gen` completes, releases
 //! or renews. A response written to a data key is stamped with its `gen`; a writer never
 //! replaces a newer stamp, so an owner whose mark was taken over cannot clobber the new
-//! owner's response (SPEC §3.8).
+//! owner's response (docs/behaviour.md §3.8).
 
 use crate::caller::Caller;
 use crate::encoding::{Bucket, Corrupt, Entry, KeyTag, State, StoredResponse, ENTRIES};
@@ -73,12 +73,12 @@ impl From<Corrupt> for StoreError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ticket {
     pub slot: u32,
-    /// The claim's token: also its fencing token (SPEC §3.9).
+    /// The claim's token: also its fencing token (docs/behaviour.md §3.9).
     pub gen: u64,
     pub key: KeyTag,
 }
 
-/// What an operation changed in the table, for the gauges and counters (SPEC §3.7).
+/// What an operation changed in the table, for the gauges and counters (docs/behaviour.md §3.7).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Change {
     pub in_progress: i64,
@@ -116,7 +116,7 @@ impl Change {
     }
 }
 
-/// What a covered request meets (SPEC §3.2–3.4).
+/// What a covered request meets (docs/behaviour.md §3.2–3.4).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Begin {
     /// The key is ours: go upstream. `takeover` when it held this key's expired mark.
@@ -153,7 +153,7 @@ pub enum Completed {
     Lost,
 }
 
-/// The pure decision for one request against its bucket (SPEC §3.3–3.5).
+/// The pure decision for one request against its bucket (docs/behaviour.md §3.3–3.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
     /// Take `entry`: free, expired, or the oldest completed entry of the caller holding the
@@ -440,7 +440,7 @@ impl<S: SharedKv> Table<S> {
     }
 
     /// Creates every key of the table unless it exists. Run by the base VM before any worker
-    /// serves (SPEC §4), so no claim ever meets a missing key. Returns whether it created them.
+    /// serves (docs/behaviour.md §4), so no claim ever meets a missing key. Returns whether it created them.
     pub fn create(&self) -> Result<bool, StoreError> {
         if self.store.get(&self.layout.ready_key())?.1.is_some() {
             return Ok(false);
@@ -638,13 +638,13 @@ impl<S: SharedKv> Table<S> {
         Err(StoreError::Contention)
     }
 
-    /// Extends the owner's lease (SPEC §3.5).
+    /// Extends the owner's lease (docs/behaviour.md §3.5).
     pub fn renew(&self, t: &Ticket, now_ms: u64, lease_ms: u64) -> Result<Finish, StoreError> {
         let deadline = now_ms.saturating_add(lease_ms);
         self.update_owned(t, |w| w.deadline_ms = w.deadline_ms.max(deadline))
     }
 
-    /// Releases the key at once, so a retry can do the work (SPEC §3.4).
+    /// Releases the key at once, so a retry can do the work (docs/behaviour.md §3.4).
     pub fn release(&self, t: &Ticket) -> Result<Finish, StoreError> {
         let done = self.update_owned(t, |w| *w = Entry { gen: w.gen, ..Entry::FREE })?;
         if done == Finish::Done {
@@ -655,7 +655,7 @@ impl<S: SharedKv> Table<S> {
     }
 
     /// Completes the key with its response, or without one when none is given or it is larger
-    /// than a bucket's share of the byte budget. Makes room first (SPEC §3.4).
+    /// than a bucket's share of the byte budget. Makes room first (docs/behaviour.md §3.4).
     pub fn complete(
         &self,
         t: &Ticket,
@@ -898,7 +898,7 @@ impl<S: SharedKv> Table<S> {
     }
 
     /// Adds evictions seen by this worker to the process-wide window, and returns the
-    /// effective retention to show (SPEC §3.7). `youngest_ms`: the youngest evicted entry's
+    /// effective retention to show (docs/behaviour.md §3.7). `youngest_ms`: the youngest evicted entry's
     /// age, if this worker evicted any since it last looked.
     pub fn note_evictions(&self, now_ms: u64, youngest_ms: Option<u64>) -> Result<u64, StoreError> {
         let key = self.layout.evictions_key();

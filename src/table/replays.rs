@@ -3,7 +3,7 @@
 //! with one read (the bucket, not the data key) otherwise.
 //!
 //! Sound because a completed entry never changes before its retention ends; it can only be
-//! evicted to make room (SPEC §3.8). So:
+//! evicted to make room (docs/behaviour.md §3.8). So:
 //! - after a bucket read, a kept response is used only when the bucket, read just now, shows
 //!   its entry completed for the same claim (slot, token and key tag): the data key of one
 //!   claim never changes (its owner writes it once before it completes; a later writer of the

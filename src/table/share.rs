@@ -1,4 +1,4 @@
-//! Fair share inside one bucket (docs/how-it-works.md, "Fair share"): what each caller holds
+//! Fair share inside one bucket (docs/memory.md, "Fair share"): what each caller holds
 //! there, and whose entry makes room. A bucket holds at most `ENTRIES` entries, so a few
 //! linear scans over at most that many callers are all it takes.
 

@@ -389,7 +389,7 @@ fn concurrent_callers_claim_each_key_once() {
 
 /// Owners complete, release and die while others claim and take over expired marks, and
 /// some owners finish late, after their mark may have been taken over: every replay is a
-/// response whose completion returned `Stored`, of the key asked for (SPEC §3.8), and a late
+/// response whose completion returned `Stored`, of the key asked for (docs/behaviour.md §3.8), and a late
 /// owner never spoils the entry of the one that took over (a replay never fails).
 #[test]
 #[cfg(not(target_family = "wasm"))]

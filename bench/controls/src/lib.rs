@@ -69,7 +69,7 @@ thread_local! {
     static CALLS: RefCell<HashMap<u32, (u32, u64)>> = RefCell::new(HashMap::new());
     /// HTTP contexts waiting for their call's answer, until their stream ends. Answering a
     /// stream the client reset (wrk does at the end of a run) re-enters a context the SDK has
-    /// dropped and panics the VM (SPEC §4); the plugin keeps the same set.
+    /// dropped and panics the VM (docs/behaviour.md §4); the plugin keeps the same set.
     static LIVE: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
     /// Mode "answer": what every request is answered with.
     static ANSWER: RefCell<(u32, Vec<(String, String)>, Vec<u8>)> = const { RefCell::new((201, Vec::new(), Vec::new())) };

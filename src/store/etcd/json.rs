@@ -1,4 +1,4 @@
-//! etcd's JSON gateway on the wire (SPEC §4): `POST /v3/kv/txn` and the rest over HTTP/1.1,
+//! etcd's JSON gateway on the wire (docs/behaviour.md §4): `POST /v3/kv/txn` and the rest over HTTP/1.1,
 //! keys and values base64, 64-bit numbers as strings, false and empty fields omitted.
 
 use base64::engine::general_purpose::STANDARD as B64;

@@ -1,7 +1,7 @@
-//! The fleet store: etcd through its JSON gateway, sans I/O. It emits the requests to send
+//! The fleet store: etcd through its gRPC API (or its JSON gateway), sans I/O. It emits the requests to send
 //! ([`Store::poll_call`]) and consumes their answers; its leases, revisions, retries and
 //! backoff are kept here. The host adapter sends the calls from the root context, so answers
-//! reach us even when a client's stream has ended (SPEC §4).
+//! reach us even when a client's stream has ended (docs/behaviour.md §4).
 //!
 //! One etcd key per idempotency key. A request reads the key first (a Range, which etcd serves
 //! without a raft proposal): a key in progress or completed is answered from that read alone,
@@ -157,7 +157,7 @@ impl Link {
 
 /// The lease this VM's marks ride. It is never kept alive: a new one is granted every
 /// `lease_ttl/4`, and one is used only while it outlives any mark written with it by
-/// `max_lease_ms` (SPEC §3.8: a mark's own deadline decides; the lease only collects it).
+/// `max_lease_ms` (docs/behaviour.md §3.8: a mark's own deadline decides; the lease only collects it).
 #[derive(Debug, Clone, Copy)]
 struct VmLease {
     id: i64,
@@ -192,7 +192,7 @@ pub struct EtcdStore {
     counts: VecDeque<Counter>,
     cleanups: Vec<(Vec<u8>, Vec<u8>)>,
     /// Whether etcd answers at all: after a failure every request waits for the backoff, and
-    /// then one request at a time probes (SPEC §3.8: a store that fails is never hammered).
+    /// then one request at a time probes (docs/behaviour.md §3.8: a store that fails is never hammered).
     health: Backoff,
     probe: Option<u64>,
     /// The owner whose ending etcd refused (out of space) and whose mark would expire within

@@ -179,7 +179,7 @@ impl EtcdError {
     }
 }
 
-/// Bounded, jittered, doubling delays after failures (SPEC §3.8: a store that fails is never
+/// Bounded, jittered, doubling delays after failures (docs/behaviour.md §3.8: a store that fails is never
 /// hammered): `BACKOFF_MIN_MS`, twice that, … up to `BACKOFF_MAX_MS`, each drawn between half
 /// and all of it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

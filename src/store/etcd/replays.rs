@@ -1,5 +1,5 @@
 //! Each Envoy's own copy of the completed entries it has seen in etcd (`store.local_replays`).
-//! A completed entry never changes until its retention ends (SPEC §3.8), so a replay, a
+//! A completed entry never changes until its retention ends (docs/behaviour.md §3.8), so a replay, a
 //! non-retryable 409 or a 422 it decides needs no round trip: only what this Envoy has not
 //! seen goes to etcd. The copies live in the process's shared data, in a table of their own
 //! bounded by `capacity` and `max_store_bytes` like the single-Envoy store, oldest evicted

@@ -263,7 +263,7 @@ fn out_of_space_stored_answers_replay_and_new_keys_are_unavailable() {
 }
 
 /// The VM lease is never kept alive: a new one is granted every quarter of its TTL, and a
-/// mark is written only with a lease that outlives the mark's own deadline (SPEC §3.8: the
+/// mark is written only with a lease that outlives the mark's own deadline (docs/behaviour.md §3.8: the
 /// deadline decides, the lease only collects).
 #[test]
 fn the_lease_a_mark_rides_outlives_its_deadline() {
