@@ -185,14 +185,15 @@ impl Faults {
     /// Envoy judges a mark's deadline by its own clock: one Envoy's step forward expires its
     /// marks early; in a fleet, a step either way sets one Envoy's clock apart from the one
     /// that wrote the deadline.
-    pub fn may_lose_lease(&self, envoy: usize, from: u64, to: u64, lease_ms: u64) -> bool {
+    /// `lost_ms`: the time the owner's VM spent waiting out calls the network lost.
+    pub fn may_lose_lease(&self, envoy: usize, from: u64, to: u64, lease_ms: u64, lost_ms: u64) -> bool {
         let within = |a: u64, b: u64| b.min(to).saturating_sub(a.max(from));
         let paused = self.pauses.get(envoy).map_or(0, |p| p.iter().map(|(a, b)| within(*a, *b)).max().unwrap_or(0));
         let etcd = self.etcd.iter().flatten().map(|w| within(w.from, w.to)).max().unwrap_or(0);
         let fleet = self.steps.len() > 1;
         let apart = |by: i64| if fleet { by.unsigned_abs() } else { by.max(0) as u64 };
         let stepped: u64 = self.steps.iter().flatten().filter(|(at, _)| *at <= to).map(|(_, by)| apart(*by)).sum();
-        (paused + etcd + stepped) * 2 >= lease_ms
+        (paused + etcd + stepped + lost_ms) * 2 >= lease_ms
     }
 
     /// Whether any etcd trouble, loss or pause touched `from..to`, or a clock stepped before

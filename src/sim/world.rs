@@ -211,6 +211,9 @@ pub struct World {
     store_calls: BTreeMap<(usize, u64), bool>,
     /// etcd calls sent while a cluster was in trouble, by cluster.
     calls_in_trouble: Vec<u64>,
+    /// Each VM's transactions the network lost (either way): when, and on which etcd key.
+    /// Each cost that key's owner a timeout of waiting.
+    lost_calls: Vec<Vec<(u64, Vec<u8>)>>,
     fence_max: BTreeMap<KeyId, u64>,
     owned_until: BTreeMap<KeyId, u64>,
     grace_ms: u64,
@@ -251,6 +254,7 @@ impl World {
             flights: Vec::new(),
             store_calls: BTreeMap::new(),
             calls_in_trouble: vec![0; clusters],
+            lost_calls: Vec::new(),
             fence_max: BTreeMap::new(),
             owned_until: BTreeMap::new(),
             grace_ms,
@@ -759,6 +763,7 @@ impl World {
         }
         if self.rng.chance(self.faults.lose_before) {
             self.log(|| format!("etcd call {call} of vm {vm} lost on its way"));
+            self.note_lost(vm, &request);
             return;
         }
         let mut at = self.now + self.rng.range(1, self.faults.etcd_latency_max);
@@ -766,6 +771,23 @@ impl World {
             at = w.to; // waits in the stopped process's socket
         }
         self.queue.push(at, Ev::EtcdArrive { cluster, vm, call, request });
+    }
+
+    fn note_lost(&mut self, vm: usize, request: &CallRequest) {
+        let Some(key) = crate::store::etcd::model::Model::txn_key(request) else { return };
+        if self.lost_calls.len() <= vm {
+            self.lost_calls.resize(vm + 1, Vec::new());
+        }
+        self.lost_calls[vm].push((self.now, key));
+    }
+
+    /// The etcd key of a simulated key, as the plugin names it (its store key from the
+    /// request's `:authority`, scope and key).
+    fn etcd_key(key: KeyId) -> Vec<u8> {
+        let scope = format!("Bearer s{}", key.0);
+        let store_key =
+            crate::key::StoreKey::derive("idem", b"api", &[Some(scope.as_bytes())], format!("k{}", key.1).as_bytes());
+        crate::store::etcd::protocol::key_name("idem", &store_key.0)
     }
 
     fn etcd_arrive(&mut self, cluster: usize, vm: usize, call: u64, request: CallRequest) {
@@ -792,6 +814,7 @@ impl World {
         model.no_space = false;
         if self.rng.chance(self.faults.lose_after) {
             self.log(|| format!("etcd call {call} of vm {vm} applied, its answer lost"));
+            self.note_lost(vm, &request);
             return;
         }
         let at = self.now + self.rng.range(1, self.faults.etcd_latency_max);
@@ -1149,7 +1172,12 @@ impl World {
             // From the other's request: its claim may have waited for a paused worker.
             let envoy = self.vms[other.vm].envoy;
             let since = self.reqs[other.req].sent;
-            if self.faults.may_lose_lease(envoy, since, self.now, LEASE_MS) {
+            // Each of the owner VM's calls lost meanwhile cost it a timeout of waiting.
+            let etcd_key = Self::etcd_key(key);
+            let lost = self.lost_calls.get(other.vm).map_or(0, |calls| {
+                calls.iter().filter(|(t, k)| (since..=self.now).contains(t) && *k == etcd_key).count()
+            });
+            if self.faults.may_lose_lease(envoy, since, self.now, LEASE_MS, lost as u64 * ETCD_TIMEOUT_MS) {
                 continue;
             }
             if !claimed && !held {

@@ -84,6 +84,12 @@ impl Model {
         }
     }
 
+    /// The key a transaction is on (a claim, renewal, completion or release), if it is one.
+    pub fn txn_key(request: &CallRequest) -> Option<Vec<u8>> {
+        let CallKind::Grpc { method: "Txn", .. } = &request.kind else { return None };
+        pb::TxnRequest::decode(request.body.as_slice()).ok()?.compare.into_iter().next().map(|c| c.key)
+    }
+
     pub fn keys(&self) -> Vec<Vec<u8>> {
         self.kvs.keys().cloned().collect()
     }
