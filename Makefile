@@ -112,7 +112,7 @@ lint: tools
 # Host calls per request, counted exactly (bench/abi_count.py, detached, shared data, the
 # filter-state record on): a change that adds host calls to a path past its budget fails here.
 abi-budget: build setup
-	$(PY) bench/abi_count.py $(WASM) --requests 100 --budget "first call=22,replay=5.5,conflict (409)=5.5"
+	$(PY) bench/abi_count.py $(WASM) --requests 200 --budget "first call=22,replay=5.5,conflict (409)=5.5"
 
 e2e: build previous setup tools
 	$(VENV)/bin/pytest -q tests
