@@ -11,12 +11,13 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 import pytest
 import yaml
 
 import e2e_util
-from harness import REPO_ROOT, request
+from harness import METRICS_LAG_S, REPO_ROOT, request
 
 RULES = os.path.join(REPO_ROOT, "deploy", "prometheus", "idempotency-rules.yaml")
 RULE_TESTS = os.path.join(REPO_ROOT, "deploy", "prometheus", "idempotency-rules.test.yaml")
@@ -193,6 +194,7 @@ def test_envoy_exports_the_names_the_rules_use(wasm, upstream, make_envoy):
     key = e2e_util.new_key("monitoring")
     assert e2e_util.post(envoy.port, key).status == 201
     assert e2e_util.post(envoy.port, key).header("idempotent-replayed") == "true"
+    time.sleep(METRICS_LAG_S)  # the plugin writes its counters from its tick
     text = request(envoy.admin_port, "GET", "/stats/prometheus").text
     exported = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
     kinds = plugin_metrics()

@@ -39,7 +39,7 @@ impl EtcdStore {
             },
             // Nothing reached etcd (a member down that Envoy still sends to, until its health
             // check says so): read again when the backoff lets a call through, for a while.
-            Err(err) if err.kind() == ErrorKind::Unreachable && round.attempts < RELOOKS => {
+            Err(err) if err.refused_at_once() && round.attempts < RELOOKS => {
                 log::debug!("etcd: read did not reach etcd ({err:?}); reading again");
                 let deadline = now.saturating_add(2 * self.link.timeout_ms);
                 self.relooks.push_back((Round { attempts: round.attempts + 1, ..round }, deadline));

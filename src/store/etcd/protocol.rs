@@ -150,6 +150,15 @@ pub enum EtcdError {
     Malformed(&'static str),
 }
 
+impl EtcdError {
+    /// Refused at once, not timed out: Envoy could not connect (gRPC UNAVAILABLE, the JSON
+    /// gateway's 503) or etcd said it has no leader. A call that timed out may have reached
+    /// etcd and took its whole timeout already.
+    pub fn refused_at_once(&self) -> bool {
+        matches!(self, EtcdError::Status { code: Some(14), .. } | EtcdError::Status { status: 503, .. })
+    }
+}
+
 /// The etcd errors the plugin acts on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
