@@ -40,13 +40,16 @@ $(READY): tests/requirements.txt
 	touch $@
 
 # What the tests need besides the venv: the Wasm target, clippy and rustfmt (rustup), etcd and
-# openssl, iproute2 and curl (Debian's packages, installed when missing and run as root; otherwise named).
+# openssl, iproute2 and curl, and for the container tests a Docker engine, Compose and
+# debootstrap (Debian's packages, installed when missing and run as root; otherwise named).
+# A Docker engine that does not answer is started (tools/dockerd.sh, as root) or the reason given.
 tools:
 	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
 	@cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 	@cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 	@missing=""; \
-	for need in etcd:etcd-server openssl:openssl ip:iproute2 curl:curl promtool:prometheus; do \
+	for need in etcd:etcd-server openssl:openssl ip:iproute2 curl:curl promtool:prometheus \
+	    dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap; do \
 	  command -v $${need%%:*} >/dev/null 2>&1 || missing="$$missing $${need##*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -58,6 +61,7 @@ tools:
 	    echo "make test needs the Debian packages:$$missing (apt-get install$$missing)"; exit 1; \
 	  fi; \
 	fi
+	@tools/dockerd.sh
 
 run: build setup
 	$(PY) envoy/demo.py
