@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: grpc fleet build run test tools unit e2e lint abi-budget setup clean fuzz image chaos bench bench-hostcalls sim sim-long previous
+.PHONY: grpc fleet build run test tools unit e2e compose-test lint abi-budget setup clean fuzz image chaos bench bench-hostcalls sim sim-long previous
 
 build: $(WASM)
 
@@ -119,7 +119,13 @@ abi-budget: build setup
 	$(PY) bench/abi_count.py $(WASM) --requests 100 --budget "first call=22,replay=5.5,conflict (409)=5.5"
 
 e2e: build previous setup tools
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q tests --ignore=tests/test_compose.py
+
+# The compose files and the OCI image run for real on a Docker engine (tests/test_compose.py):
+# local images built first (tools/local_images.sh, cached), then each compose file up, driven
+# from the host and taken down.
+compose-test: build setup tools
+	$(VENV)/bin/pytest -q tests/test_compose.py
 
 test: tools unit lint abi-budget e2e
 

