@@ -181,3 +181,95 @@ def test_the_demo_compose_file_runs_as_shipped(images, plugin):
                    interval=1, message="the access log's replay line")
     finally:
         compose.down()
+
+
+def post_until(port, key, accept, timeout=20, **kw):
+    """Posts until the answer is not one of the retryable ones (409 in progress, 503 store or
+    upstream unavailable) or `timeout` passes; returns (answer, retryable answers seen)."""
+    deadline, seen = time.monotonic() + timeout, []
+    while True:
+        try:
+            resp = post(port, key, **kw)
+        except OSError as exc:
+            resp = exc
+        if not isinstance(resp, BaseException) and resp.status in accept:
+            return resp, seen
+        if isinstance(resp, BaseException):
+            seen.append(repr(resp))
+        else:
+            kind = resp.json().get("type", "") if resp.header("content-type") == \
+                "application/problem+json" else ""
+            seen.append(f"{resp.status} {kind.rsplit(':', 1)[-1]}".strip())
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{key}: no answer in {accept} within {timeout}s: {seen}")
+        time.sleep(0.5)
+
+
+def test_a_fleet_in_containers(images, plugin, tmp_path):
+    """envoy/docker-compose-fleet.yaml: two replicas on a three-member etcd cluster over TLS.
+    A first call on A and its replay on B; one etcd member stopped and the fleet still serving
+    a new key and its replay; the replica holding a slow call killed, and its key taken over by
+    the other replica once the mark's lease ran out (the call runs again)."""
+    pki = str(tmp_path / "pki")
+    run(["tools/fleet_pki.sh", pki])
+    os.chmod(str(tmp_path), 0o755)  # the containers' users read the certificates
+    ports = {name: free_port() for name in ("a", "a_admin", "b", "b_admin")}
+    compose = Compose("docker-compose-fleet.yaml", {
+        **images, "FLEET_PKI_DIR": pki,
+        "FLEET_A_PORT": str(ports["a"]), "FLEET_A_ADMIN_PORT": str(ports["a_admin"]),
+        "FLEET_B_PORT": str(ports["b"]), "FLEET_B_ADMIN_PORT": str(ports["b_admin"])})
+    a, b = ports["a"], ports["b"]
+    try:
+        compose.up()
+        wait_served(a)
+        wait_served(b)
+        assert compose.process_uid("envoy-a") == 101
+        # Until etcd has elected a leader and the health checks passed, the plugin answers 503.
+        post_until(a, new_key("warm-a"), {201}, timeout=60)
+        post_until(b, new_key("warm-b"), {201}, timeout=60)
+
+        # A first call on A, its replay on B.
+        key = new_key("fleet")
+        first = post(a, key)
+        assert first.status == 201 and first.header("x-effect") == "1", describe(first)
+        replay = post(b, key)
+        assert is_replay(replay) and replay.body == first.body, describe(replay)
+
+        # One member of three stopped: the cluster keeps its quorum, the fleet keeps serving.
+        compose("stop", "-t", "1", "etcd2")
+        key = new_key("quorum")
+        first, retried = post_until(a, key, {201}, timeout=20)
+        assert first.header("x-effect") == "1", describe(first)
+        print(f"etcd2 stopped: answers before the first 201: {retried}")
+        replay, _ = post_until(b, key, {201}, timeout=20)
+        assert is_replay(replay) and replay.body == first.body, describe(replay)
+
+        # The replica owning a slow call killed: its mark outlives it by at most lease_ms
+        # (3000 in envoy-fleet-docker.yaml), then the other replica takes the key over.
+        key, slow = new_key("takeover"), {}
+
+        def slow_call():
+            try:
+                slow["resp"] = post(a, key, x_delay_ms=8000, timeout=20)
+            except OSError as exc:
+                slow["resp"] = exc
+        claimed_before = counters(ports["a_admin"])["claimed"]
+        thread = threading.Thread(target=slow_call)
+        thread.start()
+        wait_until(lambda: counters(ports["a_admin"])["claimed"] > claimed_before, timeout=10,
+                   message="the slow call claimed on A")
+        assert_in_progress(post(b, key, x_delay_ms=8000))
+        compose("kill", "envoy-a")
+        killed = time.monotonic()
+        thread.join(25)
+        assert isinstance(slow["resp"], BaseException), describe(slow["resp"])
+        taken, before = post_until(b, key, {201}, timeout=30, x_delay_ms=0)
+        waited = time.monotonic() - killed
+        assert not is_replay(taken) and taken.header("x-effect") == "2", describe(taken)
+        # Before: the dead owner's mark, 409 (in progress) until its deadline. etcd drops a dead
+        # VM's marks with its lease soon after, so B counts a claim or an expired_takeover.
+        assert before and all(answer.startswith("409") for answer in before), before
+        assert waited < 15, waited
+        print(f"takeover: {waited:.1f}s after the kill, answers before it: {before}")
+    finally:
+        compose.down()

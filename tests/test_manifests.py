@@ -175,7 +175,7 @@ def compose(compose_raw):
 def test_compose_files_run_with_compose_v1_and_v2_and_name_their_images():
     """No top-level `name:` (docker-compose 1.29 refuses it), and every image a variable whose
     default is the published image (tests/test_compose.py names local ones)."""
-    for file in ("docker-compose.yaml",):
+    for file in ("docker-compose.yaml", "docker-compose-fleet.yaml"):
         doc = load_yaml(os.path.join(ENVOY_DIR, file))
         assert set(doc) - {"services", "networks", "volumes"} <= {
             k for k in doc if k.startswith("x-")}, (file, set(doc))
