@@ -40,8 +40,9 @@ $(READY): tests/requirements.txt
 	touch $@
 
 # What the tests need besides the venv: the Wasm target, clippy and rustfmt (rustup), etcd and
-# openssl, iproute2 and curl, and for the container tests a Docker engine, Compose and
-# debootstrap (Debian's packages, installed when missing and run as root; otherwise named).
+# openssl, iproute2 and curl, and for the container tests a Docker engine, Compose,
+# debootstrap and a registry (the image test pushes to a local one): Debian's packages,
+# installed when missing and run as root; otherwise named.
 # A Docker engine that does not answer is started (tools/dockerd.sh, as root) or the reason given.
 tools:
 	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
@@ -49,7 +50,8 @@ tools:
 	@cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 	@missing=""; \
 	for need in etcd:etcd-server openssl:openssl ip:iproute2 curl:curl promtool:prometheus \
-	    dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap; do \
+	    dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap \
+	    docker-registry:docker-registry; do \
 	  command -v $${need%%:*} >/dev/null 2>&1 || missing="$$missing $${need##*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -123,7 +125,8 @@ e2e: build previous setup tools
 
 # The compose files and the OCI image run for real on a Docker engine (tests/test_compose.py):
 # local images built first (tools/local_images.sh, cached), then each compose file up, driven
-# from the host and taken down.
+# from the host and taken down; `make image` read back (docker save) and pushed to a local
+# registry, printing the manifest digest to pin.
 compose-test: build setup tools
 	$(VENV)/bin/pytest -q tests/test_compose.py
 

@@ -10,9 +10,13 @@ in a finally. A machine without a Docker engine fails here with the reason (`mak
 one as root), never skips.
 """
 
+import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
+import tarfile
 import threading
 import time
 import uuid
@@ -20,7 +24,7 @@ import uuid
 import pytest
 
 from e2e_util import assert_in_progress, describe, is_replay, new_key, post
-from harness import admin_stats, free_port, request, wait_until
+from harness import admin_stats, free_port, port_accepts, request, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENVOY_DIR = os.path.join(ROOT, "envoy")
@@ -273,3 +277,62 @@ def test_a_fleet_in_containers(images, plugin, tmp_path):
         print(f"takeover: {waited:.1f}s after the kill, answers before it: {before}")
     finally:
         compose.down()
+
+
+def test_the_oci_image_holds_exactly_the_plugin(engine, plugin, tmp_path):
+    """`make image` builds the Dockerfile (FROM scratch, the context kept by .dockerignore to
+    dist/idempotency.wasm): its one layer holds exactly /plugin.wasm, byte for byte the built
+    plugin. Pushed to a local registry (Debian's docker-registry), the tag names one image
+    manifest (no index, no attestations), whose digest is printed: the sha256 the Istio
+    manifests pin."""
+    tag = f"idempotency-test:{uuid.uuid4().hex[:10]}"
+    registry_port = free_port()
+    pushed = f"127.0.0.1:{registry_port}/idempotency:test"
+    registry = None
+    try:
+        run(["make", "-s", "image", f"IMAGE={tag}"])
+        archive = str(tmp_path / "image.tar")
+        run(["docker", "save", "-o", archive, tag])
+        with tarfile.open(archive) as saved:
+            (manifest,) = json.load(saved.extractfile("manifest.json"))
+            assert len(manifest["Layers"]) == 1, manifest
+            with tarfile.open(fileobj=saved.extractfile(manifest["Layers"][0])) as layer:
+                files = [m for m in layer.getmembers() if not m.isdir()]
+                assert [m.name.lstrip("./").lstrip("/") for m in files] == ["plugin.wasm"], \
+                    [m.name for m in layer.getmembers()]
+                assert files[0].isfile()
+                content = layer.extractfile(files[0]).read()
+        with open(plugin, "rb") as f:
+            assert content == f.read(), "the image's /plugin.wasm differs from dist/idempotency.wasm"
+        image_id = run(["docker", "image", "inspect", "-f", "{{.Id}}", tag]).stdout.strip()
+
+        # The digest a registry stores, from a local registry.
+        config = tmp_path / "registry.yml"
+        config.write_text("version: 0.1\nlog: {level: error}\n"
+                          f"storage: {{filesystem: {{rootdirectory: {tmp_path / 'registry'}}}}}\n"
+                          f"http: {{addr: 127.0.0.1:{registry_port}}}\n")
+        if not shutil.which("docker-registry"):
+            pytest.fail("no docker-registry (make tools installs Debian's)", pytrace=False)
+        registry = subprocess.Popen(["docker-registry", "serve", str(config)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_until(lambda: port_accepts(registry_port), timeout=20, message="the registry")
+        run(["docker", "tag", tag, pushed])
+        push = run(["docker", "push", pushed]).stdout
+        digest = re.search(r"digest: (sha256:[0-9a-f]{64})", push).group(1)
+        resp = request(registry_port, "GET", "/v2/idempotency/manifests/test", [
+            ("Host", f"127.0.0.1:{registry_port}"),
+            ("Accept", "application/vnd.oci.image.manifest.v1+json, "
+                       "application/vnd.docker.distribution.manifest.v2+json")])
+        assert resp.status == 200, describe(resp)
+        assert "sha256:" + hashlib.sha256(resp.body).hexdigest() == digest
+        body = json.loads(resp.body)
+        assert body["mediaType"] in ("application/vnd.oci.image.manifest.v1+json",
+                                     "application/vnd.docker.distribution.manifest.v2+json"), body
+        assert len(body["layers"]) == 1 and body["config"]["digest"] == image_id, body
+        print(f"\nimage {tag}: id (config digest) {image_id}; pushed as one {body['mediaType']}, "
+              f"manifest digest {digest} (Istio: sha256: \"{digest.split(':', 1)[1]}\")")
+    finally:
+        if registry is not None:
+            registry.terminate()
+            registry.wait(10)
+        subprocess.run(["docker", "rmi", "-f", tag, pushed], capture_output=True)
