@@ -130,7 +130,7 @@ e2e: build previous setup tools
 compose-test: build setup tools
 	$(VENV)/bin/pytest -q tests/test_compose.py
 
-test: tools unit lint abi-budget e2e
+test: tools unit lint abi-budget e2e compose-test
 
 # The retry storm (tests/chaos.py) on shared data, then on etcd, CHAOS_SECONDS each: 40
 # clients, slow/failing/resetting upstream, timeouts and hang-ups, Envoy SIGKILLed and
