@@ -8,7 +8,7 @@ ENVOY_VERSION := 1.40.0
 WASM := dist/idempotency.wasm
 TARGET := wasm32-wasip1
 
-.PHONY: grpc fleet build run test tools unit e2e lint abi-budget setup clean fuzz image chaos bench bench-hostcalls sim sim-long previous
+.PHONY: grpc fleet build run test tools unit e2e compose-test lint abi-budget setup clean fuzz image chaos bench bench-hostcalls sim sim-long previous
 
 build: $(WASM)
 
@@ -40,13 +40,18 @@ $(READY): tests/requirements.txt
 	touch $@
 
 # What the tests need besides the venv: the Wasm target, clippy and rustfmt (rustup), etcd and
-# openssl, iproute2 and curl (Debian's packages, installed when missing and run as root; otherwise named).
+# openssl, iproute2 and curl, and for the container tests a Docker engine, Compose,
+# debootstrap and a registry (the image test pushes to a local one): Debian's packages,
+# installed when missing and run as root; otherwise named.
+# A Docker engine that does not answer is started (tools/dockerd.sh, as root) or the reason given.
 tools:
 	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
 	@cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 	@cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
 	@missing=""; \
-	for need in etcd:etcd-server openssl:openssl ip:iproute2 curl:curl promtool:prometheus; do \
+	for need in etcd:etcd-server openssl:openssl ip:iproute2 curl:curl promtool:prometheus \
+	    dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap \
+	    docker-registry:docker-registry; do \
 	  command -v $${need%%:*} >/dev/null 2>&1 || missing="$$missing $${need##*:}"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -58,6 +63,7 @@ tools:
 	    echo "make test needs the Debian packages:$$missing (apt-get install$$missing)"; exit 1; \
 	  fi; \
 	fi
+	@tools/dockerd.sh
 
 run: build setup
 	$(PY) envoy/demo.py
@@ -115,9 +121,16 @@ abi-budget: build setup
 	$(PY) bench/abi_count.py $(WASM) --requests 200 --budget "first call=22,replay=5.5,conflict (409)=5.5"
 
 e2e: build previous setup tools
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q tests --ignore=tests/test_compose.py
 
-test: tools unit lint abi-budget e2e
+# The compose files and the OCI image run for real on a Docker engine (tests/test_compose.py):
+# local images built first (tools/local_images.sh, cached), then each compose file up, driven
+# from the host and taken down; `make image` read back (docker save) and pushed to a local
+# registry, printing the manifest digest to pin.
+compose-test: build setup tools
+	$(VENV)/bin/pytest -q tests/test_compose.py
+
+test: tools unit lint abi-budget e2e compose-test
 
 # The retry storm (tests/chaos.py) on shared data, then on etcd, CHAOS_SECONDS each: 40
 # clients, slow/failing/resetting upstream, timeouts and hang-ups, Envoy SIGKILLed and

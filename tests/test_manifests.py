@@ -147,9 +147,41 @@ def docker_yaml_doc():
     return load_yaml(os.path.join(ENVOY_DIR, "envoy-docker.yaml"))
 
 
+COMPOSE_VARIABLE = re.compile(r"\$\{([A-Z_][A-Z0-9_]*):-([^}]*)\}")
+
+
+def compose_defaults(node):
+    """A compose file as Compose reads it with none of its variables set: `${NAME:-default}`
+    is the default."""
+    if isinstance(node, dict):
+        return {key: compose_defaults(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [compose_defaults(value) for value in node]
+    if isinstance(node, str):
+        return COMPOSE_VARIABLE.sub(lambda m: m.group(2), node)
+    return node
+
+
 @pytest.fixture(scope="module")
-def compose():
+def compose_raw():
     return load_yaml(os.path.join(ENVOY_DIR, "docker-compose.yaml"))
+
+
+@pytest.fixture(scope="module")
+def compose(compose_raw):
+    return compose_defaults(compose_raw)
+
+
+def test_compose_files_run_with_compose_v1_and_v2_and_name_their_images():
+    """No top-level `name:` (docker-compose 1.29 refuses it), and every image a variable whose
+    default is the published image (tests/test_compose.py names local ones)."""
+    for file in ("docker-compose.yaml", "docker-compose-fleet.yaml"):
+        doc = load_yaml(os.path.join(ENVOY_DIR, file))
+        assert set(doc) - {"services", "networks", "volumes"} <= {
+            k for k in doc if k.startswith("x-")}, (file, set(doc))
+        for name, service in doc["services"].items():
+            match = COMPOSE_VARIABLE.fullmatch(service["image"])
+            assert match and match.group(1).endswith("_IMAGE"), (file, name, service["image"])
 
 
 @pytest.fixture(scope="module")
