@@ -19,6 +19,7 @@ impl EtcdStore {
     /// write. An absent key goes on to the claim, an expired one to the takeover. Needs no
     /// lease: a stored answer replays while no lease can be had (etcd out of space).
     pub(super) fn send_look(&mut self, round: Round, now: u64) {
+        let round = Round { looked_ms: now, ..round };
         let request = Request::Range { key: round.key.clone() };
         let who = round.who;
         if !self.send(request, Op::Look { round }, now) {
@@ -39,7 +40,12 @@ impl EtcdStore {
             },
             // Nothing reached etcd (a member down that Envoy still sends to, until its health
             // check says so): read again when the backoff lets a call through, for a while.
-            Err(err) if err.refused_at_once() && round.attempts < RELOOKS => {
+            // Envoy answers a timed-out gRPC call UNAVAILABLE too: the time it took tells them apart.
+            Err(err)
+                if err.refused_at_once()
+                    && now.saturating_sub(round.looked_ms) < self.link.timeout_ms / 2
+                    && round.attempts < RELOOKS =>
+            {
                 log::debug!("etcd: read did not reach etcd ({err:?}); reading again");
                 let deadline = now.saturating_add(2 * self.link.timeout_ms);
                 self.relooks.push_back((Round { attempts: round.attempts + 1, ..round }, deadline));

@@ -66,6 +66,8 @@ struct Round {
     caller: Caller,
     lease_ms: u64,
     attempts: u8,
+    /// When its last read was sent: only a read refused at once is read again.
+    looked_ms: u64,
     /// The `mod_revision` of the expired entry to take over.
     takeover: Option<i64>,
 }
@@ -462,7 +464,7 @@ impl EtcdStore {
                 continue;
             }
             let request = Request::Range { key: round.key.clone() };
-            if !self.send(request.clone(), Op::Look { round: round.clone() }, now) {
+            if !self.send(request.clone(), Op::Look { round: Round { looked_ms: now, ..round.clone() } }, now) {
                 self.relooks.push_front((round, deadline));
                 break;
             }
@@ -539,6 +541,7 @@ impl Store for EtcdStore {
             caller: claim.caller,
             lease_ms: claim.lease_ms,
             attempts: 0,
+            looked_ms: 0,
             takeover: None,
         };
         // Read first, always: this VM cannot know whether another replica holds the key (a
