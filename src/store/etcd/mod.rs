@@ -464,7 +464,7 @@ impl EtcdStore {
                 continue;
             }
             let request = Request::Range { key: round.key.clone() };
-            if !self.send(request.clone(), Op::Look { round: Round { looked_ms: now, ..round.clone() } }, now) {
+            if !self.send(request, Op::Look { round: Round { looked_ms: now, ..round.clone() } }, now) {
                 self.relooks.push_front((round, deadline));
                 break;
             }
