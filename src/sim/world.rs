@@ -134,6 +134,8 @@ struct Req {
     id: u32,
     sent: u64,
     state: ReqState,
+    /// When the client had its whole answer (`got`).
+    answered_at: Option<u64>,
     open: bool,
     request_paused: bool,
     response_paused: Option<Response>,
@@ -450,6 +452,7 @@ impl World {
             id,
             sent: self.now,
             state: ReqState::Waiting,
+            answered_at: None,
             open: true,
             request_paused: false,
             response_paused: None,
@@ -495,6 +498,7 @@ impl World {
             return;
         }
         self.reqs[r].state = ReqState::Answered;
+        self.reqs[r].answered_at = Some(self.now);
         let key = self.reqs[r].key;
         self.log(|| {
             format!(
@@ -1193,6 +1197,14 @@ impl World {
         }
     }
 
+    /// Whether one of these flights' clients had its whole answer before `sent`.
+    fn answered_before(&self, flights: &[usize], sent: u64) -> bool {
+        flights.iter().any(|g| {
+            let req = self.flights.get(*g).and_then(|o| self.reqs.get(o.req));
+            req.and_then(|q| q.answered_at).is_some_and(|at| at < sent)
+        })
+    }
+
     fn check_answer(&mut self, r: usize, key: KeyId, got: &Got) {
         let done: Vec<usize> = (0..self.flights.len())
             .filter(|g| {
@@ -1240,9 +1252,10 @@ impl World {
             Some("response-not-stored") if done.is_empty() => {
                 self.check.fail("completed_without_completion", self.now, format!("req {r} of {key:?}"));
             }
-            // A full write budget refuses new keys only: a stored key replays (unless a fault
-            // may have kept its completion out of etcd).
-            Some("share-full") if !done.is_empty() && !self.faults.any_between(0, self.now) => {
+            // A full write budget refuses new keys only: a key whose first call had its answer
+            // before this one was sent replays (unless a fault may have kept its completion out
+            // of etcd). A call still completing may not have its claim in etcd when this one reads.
+            Some("share-full") if self.answered_before(&done, self.reqs[r].sent) && !self.faults.any_between(0, self.now) => {
                 self.check.fail("share_full_for_a_stored_key", self.now, format!("req {r} of {key:?}"));
             }
             Some("in-progress") => {
