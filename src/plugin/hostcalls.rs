@@ -276,10 +276,12 @@ pub fn dispatch_grpc(
     cluster: &str,
     service: &str,
     method: &str,
+    metadata: &[(&str, &str)],
     message: &[u8],
     timeout: Duration,
 ) -> Result<u32, Status> {
-    hostcalls::dispatch_grpc_call(cluster, service, method, vec![], Some(message), timeout)
+    let metadata = metadata.iter().map(|(name, value)| (*name, value.as_bytes())).collect();
+    hostcalls::dispatch_grpc_call(cluster, service, method, metadata, Some(message), timeout)
 }
 
 pub fn register_queue(name: &str) -> Option<u32> {

@@ -179,8 +179,8 @@ impl Vm {
                 let headers = headers.as_text().unwrap_or_default();
                 hostcalls::dispatch(&request.cluster, headers, &request.body, timeout).map(|t| (&self.calls, t))
             }
-            CallKind::Grpc { service, method } => {
-                hostcalls::dispatch_grpc(&request.cluster, service, method, &request.body, timeout)
+            CallKind::Grpc { service, method, metadata } => {
+                hostcalls::dispatch_grpc(&request.cluster, service, method, metadata, &request.body, timeout)
                     .map(|t| (&self.grpc_calls, t))
             }
         };

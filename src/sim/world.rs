@@ -1255,7 +1255,9 @@ impl World {
             // A full write budget refuses new keys only: a key whose first call had its answer
             // before this one was sent replays (unless a fault may have kept its completion out
             // of etcd). A call still completing may not have its claim in etcd when this one reads.
-            Some("share-full") if self.answered_before(&done, self.reqs[r].sent) && !self.faults.any_between(0, self.now) => {
+            Some("share-full")
+                if self.answered_before(&done, self.reqs[r].sent) && !self.faults.any_between(0, self.now) =>
+            {
                 self.check.fail("share_full_for_a_stored_key", self.now, format!("req {r} of {key:?}"));
             }
             Some("in-progress") => {

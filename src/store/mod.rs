@@ -123,8 +123,9 @@ pub struct CallRequest {
 pub enum CallKind {
     /// `dispatch_http_call`: the request's headers (`:method`, `:path`, `:authority`, …).
     Http { headers: HeaderMap },
-    /// `dispatch_grpc_call`: a unary gRPC call; the body is the request message.
-    Grpc { service: &'static str, method: &'static str },
+    /// `dispatch_grpc_call`: a unary gRPC call; the body is the request message, `metadata`
+    /// its initial metadata (headers for Envoy's router as well as for the service).
+    Grpc { service: &'static str, method: &'static str, metadata: &'static [(&'static str, &'static str)] },
 }
 
 impl CallRequest {

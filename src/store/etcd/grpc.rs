@@ -198,7 +198,7 @@ pub fn call(request: &Request, to: &Target) -> CallRequest {
     let (service, method, body) = encode(request);
     CallRequest {
         cluster: to.cluster.to_string(),
-        kind: CallKind::Grpc { service, method },
+        kind: CallKind::Grpc { service, method, metadata: super::protocol::RETRY_UNSENT },
         body,
         timeout_ms: to.timeout_ms,
     }

@@ -19,12 +19,10 @@ fn b64(bytes: &[u8]) -> String {
 
 pub fn call(request: &Request, to: &Target) -> CallRequest {
     let (path, body) = encode(request);
-    let headers = HeaderMap::from_pairs(&[
-        (":method", "POST"),
-        (":path", path),
-        (":authority", to.authority),
-        ("content-type", "application/json"),
-    ]);
+    let fixed =
+        [(":method", "POST"), (":path", path), (":authority", to.authority), ("content-type", "application/json")];
+    let pairs: Vec<(&str, &str)> = fixed.iter().chain(super::protocol::RETRY_UNSENT).copied().collect();
+    let headers = HeaderMap::from_pairs(&pairs);
     CallRequest {
         cluster: to.cluster.to_string(),
         kind: CallKind::Http { headers },

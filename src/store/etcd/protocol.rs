@@ -86,6 +86,14 @@ impl Request {
 /// Which of etcd's client APIs the store speaks (configured: `store.api`).
 pub use crate::config::EtcdApi as Api;
 
+/// Headers that make Envoy send a call again, to another member of the cluster, when it
+/// could not connect to the one it chose or that member refused the stream: nothing reached
+/// etcd, so a write cannot apply twice. A member that stopped is still chosen until its
+/// health check fails (seconds); these calls would otherwise fail after the connect timeout.
+/// A reset or a timeout is never retried: the write may have applied.
+pub const RETRY_UNSENT: &[(&str, &str)] =
+    &[("x-envoy-retry-on", "connect-failure,refused-stream"), ("x-envoy-max-retries", "2")];
+
 /// Where a request goes: the Envoy cluster, the `:authority`, the timeout.
 pub struct Target<'a> {
     pub cluster: &'a str,

@@ -960,3 +960,32 @@ fn a_read_that_did_not_reach_etcd_is_read_again_not_refused_at_once() {
     // The backoff decides how many reads go (lease grants probe too): never more than three.
     assert!((1..=3).contains(&reads), "{reads} reads");
 }
+
+/// Every call asks Envoy to send it again to another member only when nothing reached etcd
+/// (no connection, or the stream refused), over both APIs: a reset or a timeout may have
+/// applied a write, and is never retried.
+#[test]
+fn calls_are_sent_again_only_when_they_never_reached_etcd() {
+    use super::protocol::{Api, RETRY_UNSENT};
+    assert_eq!(RETRY_UNSENT, &[("x-envoy-retry-on", "connect-failure,refused-stream"), ("x-envoy-max-retries", "2")]);
+    for api in [Api::Grpc, Api::Json] {
+        let link = Link { api, ..Link::grpc("etcd", 1_000) };
+        let mut s = EtcdStore::new(link, "t", LEASE, vec![RETENTION / 1000], 1);
+        let mut m = Model::new();
+        s.begin(For::Stream(1), &claim("k"), 10);
+        let mut seen = 0;
+        while let Some((n, request)) = s.poll_call() {
+            for (name, value) in RETRY_UNSENT {
+                let carried = match &request.kind {
+                    CallKind::Grpc { metadata, .. } => metadata.iter().any(|(n, v)| n == name && v == value),
+                    CallKind::Http { .. } => request.header(name) == Some(*value),
+                };
+                assert!(carried, "{api:?}: {name} missing from {request:?}");
+            }
+            seen += 1;
+            let answer = m.handle(&request, 10);
+            s.on_call_answer(n, &answer, 10);
+        }
+        assert!(seen >= 3, "{api:?}: a lease, a read and a claim at least, saw {seen}");
+    }
+}
