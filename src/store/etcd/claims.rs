@@ -19,12 +19,17 @@ impl EtcdStore {
     /// write. An absent key goes on to the claim, an expired one to the takeover. Needs no
     /// lease: a stored answer replays while no lease can be had (etcd out of space).
     pub(super) fn send_look(&mut self, round: Round, now: u64) {
-        let round = Round { looked_ms: now, ..round };
-        let request = Request::Range { key: round.key.clone() };
         let who = round.who;
-        if !self.send(request, Op::Look { round }, now) {
+        if !self.try_look(round, now) {
             self.answer(who, Began::Unavailable);
         }
+    }
+
+    /// Sends the read of a round; `false` when nothing was sent (the backoff holds it).
+    pub(super) fn try_look(&mut self, round: Round, now: u64) -> bool {
+        let round = Round { looked_ms: now, ..round };
+        let request = Request::Range { key: round.key.clone() };
+        self.send(request, Op::Look { round }, now)
     }
 
     /// What the first read found: an entry is judged (an expired one is taken over), an

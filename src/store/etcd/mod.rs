@@ -463,8 +463,7 @@ impl EtcdStore {
                 self.answers.push_back((round.who, Answer::Began(Began::Unavailable)));
                 continue;
             }
-            let request = Request::Range { key: round.key.clone() };
-            if !self.send(request, Op::Look { round: Round { looked_ms: now, ..round.clone() } }, now) {
+            if !self.try_look(round.clone(), now) {
                 self.relooks.push_front((round, deadline));
                 break;
             }
