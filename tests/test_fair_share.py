@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from e2e_util import assert_replay_of, describe, is_replay, new_key, plugin_counters, post
+from etcd_util import Etcd, cluster as etcd_cluster
 from harness import run_concurrently, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,3 +97,42 @@ def test_a_flood_of_large_answers_leaves_another_callers_answers_stored(upstream
           f"{counters['evicted']}, stored {gauge(envoy, 'stored_bytes')} B, heaviest caller "
           f"{gauge(envoy, 'heaviest_caller_bytes_permille')}‰ of bytes; all six answers of "
           f"16 KiB replayed")
+
+
+def test_a_flood_through_etcd_leaves_another_callers_local_copies(upstream, make_envoy, wasm):
+    """The etcd store's local copies (`local_replays`) evict by the same rule: after the
+    flooder's 8 × `capacity` new keys, the other caller's 64 retries all replay from this
+    Envoy's copies, without asking etcd, as do the flooder's newest 64."""
+    capacity = 256
+    with Etcd() as etcd:
+        envoy = make_envoy({"capacity": capacity,
+                            "store": {"kind": "etcd", "clusters": ["etcd"], "timeout_ms": 1000}},
+                           upstream.port, extra_clusters=[etcd_cluster(etcd.port)])
+        quiet = [new_key("quiet") for _ in range(64)]
+        firsts = [post(envoy, k, extra=QUIET) for k in quiet]
+        flood = [new_key("flood") for _ in range(8 * capacity)]
+        answers = run_concurrently(lambda i: post(envoy, flood[i], extra=FLOOD), len(flood),
+                                   max_workers=8, timeout=300)
+        before = plugin_counters(envoy)
+        retries = [post(envoy, k, extra=QUIET) for k in quiet]
+        newest = [post(envoy, k, extra=FLOOD) for k in flood[-64:]]
+
+        for first in firsts + answers:
+            assert first.status == 201 and not is_replay(first), describe(first)
+        for first, again in zip(firsts, retries):
+            assert_replay_of(again, first)
+        for first, again in zip(answers[-64:], newest):
+            assert_replay_of(again, first)
+        effects = upstream.effects()
+        assert all(effects[k] == 1 for k in quiet + flood)
+        wait_until(lambda: plugin_counters(envoy).get("local_replays", 0)
+                   >= before.get("local_replays", 0) + 128, timeout=5,
+                   message="every retry replayed from a local copy")
+        counters = plugin_counters(envoy)
+        assert counters["local_replays"] - before.get("local_replays", 0) == 128, counters
+        assert counters["evicted"] == len(quiet) + len(flood) - capacity, counters
+        assert counters["evicted_below_share"] == 0, counters
+        print(f"etcd, flood of {len(flood)} keys through local copies of capacity {capacity}: "
+              f"evicted {counters['evicted']}, evicted_below_share "
+              f"{counters['evicted_below_share']}; all {len(quiet)} quiet answers and the "
+              f"flooder's newest 64 replayed from local copies")

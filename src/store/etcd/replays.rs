@@ -2,8 +2,9 @@
 //! A completed entry never changes until its retention ends (docs/behaviour.md §3.8), so a replay, a
 //! non-retryable 409 or a 422 it decides needs no round trip: only what this Envoy has not
 //! seen goes to etcd. The copies live in the process's shared data, in a table of their own
-//! bounded by `capacity` and `max_store_bytes` like the single-Envoy store, oldest evicted
-//! first; an evicted copy only costs a round trip.
+//! bounded by `capacity` and `max_store_bytes` like the single-Envoy store and evicted by the
+//! same fair rule (the heaviest caller's oldest copy first); an evicted copy only costs a
+//! round trip.
 
 use crate::caller::Caller;
 use crate::encoding::StoredResponse;
