@@ -706,6 +706,15 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>, notices: &mut Vec<String>
         let why = "only with api \"json\" and one cluster (gRPC calls carry the cluster's name)";
         return Err(err(&format!("{f}.authority"), why));
     }
+    if api == Api::Grpc {
+        if let Some(name) = clusters.iter().find(|c| crate::store::etcd::grpc::envoy_may_misread(c)) {
+            let why = format!(
+                "{name:?}: Envoy may read a cluster name over 125 bytes as a serialized GrpcService and abort; \
+                 give the cluster a shorter name"
+            );
+            return Err(err(&format!("{f}.clusters"), why));
+        }
+    }
     let api_fallback = !map.contains_key("api") && api == Api::Grpc;
     Ok(StoreConfig::Etcd(EtcdConfig {
         clusters,
@@ -963,6 +972,21 @@ mod tests {
             assert_eq!(e.field, field, "{json}: {e}");
             assert!(e.to_string().contains(field));
         }
+    }
+
+    #[test]
+    fn a_long_cluster_name_envoy_may_read_as_a_grpc_service_is_refused_for_the_grpc_api_only() {
+        let long = "etcd-".repeat(26);
+        let grpc = format!(r#"{{"store":{{"kind":"etcd","clusters":["etcd","{long}"]}}}}"#);
+        let e = parse(&grpc).unwrap_err();
+        assert_eq!(e.field, "store.clusters", "{e}");
+        assert!(e.to_string().contains("shorter name"), "{e}");
+        let json = format!(r#"{{"store":{{"kind":"etcd","cluster":"{long}","api":"json"}}}}"#);
+        assert!(parse(&json).is_ok());
+        // Short names are sent as a GrpcService: any bytes will do.
+        assert!(parse(r#"{"store":{"kind":"etcd","clusters":["xa","etcd-east1"]}}"#).is_ok());
+        let other = format!(r#"{{"store":{{"kind":"etcd","cluster":"{long}x"}}}}"#);
+        assert!(parse(&other).is_ok());
     }
 
     #[test]

@@ -281,7 +281,9 @@ pub fn dispatch_grpc(
     timeout: Duration,
 ) -> Result<u32, Status> {
     let metadata = metadata.iter().map(|(name, value)| (*name, value.as_bytes())).collect();
-    hostcalls::dispatch_grpc_call(cluster, service, method, metadata, Some(message), timeout)
+    let target = crate::store::etcd::grpc::envoy_grpc_service(cluster);
+    let target = target.as_deref().unwrap_or(cluster);
+    hostcalls::dispatch_grpc_call(target, service, method, metadata, Some(message), timeout)
 }
 
 pub fn register_queue(name: &str) -> Option<u32> {

@@ -142,6 +142,19 @@ pub mod pb {
         pub responses: Vec<ResponseOp>,
     }
 
+    /// Envoy's `envoy.config.core.v3.GrpcService`, naming a cluster only (not etcd's).
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct GrpcService {
+        #[prost(message, optional, tag = "1")]
+        pub envoy_grpc: Option<EnvoyGrpc>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct EnvoyGrpc {
+        #[prost(string, tag = "1")]
+        pub cluster_name: String,
+    }
+
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct LeaseGrantRequest {
         #[prost(int64, tag = "1")]
@@ -202,6 +215,62 @@ pub fn call(request: &Request, to: &Target) -> CallRequest {
         body,
         timeout_ms: to.timeout_ms,
     }
+}
+
+/// How a gRPC call names `cluster` to Envoy: a serialized `GrpcService` whose `envoy_grpc`
+/// is that cluster. Envoy reads the name it is given as a serialized `GrpcService` whenever the
+/// bytes parse as one, and as a cluster name only otherwise: a name that happens to parse
+/// (`"xa"` does) names no cluster, and Envoy 1.40 then aborts the whole process ("unset
+/// oneof"). `None` for a name over 125 bytes, whose length takes a byte that is not UTF-8,
+/// which the SDK's `&str` cannot carry: such a name is sent as it is
+/// (the configuration refuses one Envoy may read as a message: `envoy_may_misread`).
+pub fn envoy_grpc_service(cluster: &str) -> Option<String> {
+    let service = pb::GrpcService { envoy_grpc: Some(pb::EnvoyGrpc { cluster_name: cluster.to_string() }) };
+    String::from_utf8(service.encode_to_vec()).ok()
+}
+
+/// Whether Envoy may read `cluster`, sent as it is (over 125 bytes, see `envoy_grpc_service`),
+/// as a serialized `GrpcService`: the bytes are a well-formed protobuf message. Envoy's own parse
+/// may still refuse it (a known field of the wrong type); this errs towards "may".
+pub fn envoy_may_misread(cluster: &str) -> bool {
+    envoy_grpc_service(cluster).is_none() && wire_format_fields(cluster.as_bytes(), None, 0).is_some()
+}
+
+/// Reads protobuf fields up to the end of `bytes`, or up to the end-group tag of `group`;
+/// what follows it, or `None` when the bytes are not well-formed.
+fn wire_format_fields(mut bytes: &[u8], group: Option<u64>, depth: u32) -> Option<&[u8]> {
+    const MAX_DEPTH: u32 = 64;
+    while !bytes.is_empty() {
+        let (tag, rest) = varint(bytes)?;
+        let field = tag >> 3;
+        if field == 0 {
+            return None;
+        }
+        bytes = match tag & 7 {
+            0 => varint(rest)?.1,
+            1 => rest.get(8..)?,
+            2 => {
+                let (len, rest) = varint(rest)?;
+                rest.get(usize::try_from(len).ok()?..)?
+            }
+            3 if depth < MAX_DEPTH => wire_format_fields(rest, Some(field), depth + 1)?,
+            4 if group == Some(field) => return Some(rest),
+            5 => rest.get(4..)?,
+            _ => return None,
+        };
+    }
+    group.is_none().then_some(bytes)
+}
+
+fn varint(bytes: &[u8]) -> Option<(u64, &[u8])> {
+    let mut value = 0u64;
+    for (i, byte) in bytes.iter().take(10).enumerate() {
+        value |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some((value, bytes.get(i + 1..)?));
+        }
+    }
+    None
 }
 
 /// A gRPC call's answer as the store sees it: `status` (a gRPC status code) and `message`
@@ -271,6 +340,43 @@ mod tests {
 
     fn ok(message: impl Message) -> CallAnswer {
         CallAnswer { body: message.encode_to_vec(), ..status_answer(0, "") }
+    }
+
+    #[test]
+    fn a_cluster_is_named_by_a_grpc_service_that_envoy_reads_one_way_only() {
+        let service = envoy_grpc_service("xa").unwrap();
+        assert_eq!(service.as_bytes(), &[0x0a, 0x04, 0x0a, 0x02, b'x', b'a']);
+        let longest = "e".repeat(125);
+        let decoded = pb::GrpcService::decode(envoy_grpc_service(&longest).unwrap().as_bytes()).unwrap();
+        assert_eq!(decoded.envoy_grpc.unwrap().cluster_name, longest);
+        assert_eq!(envoy_grpc_service(&"e".repeat(126)), None);
+    }
+
+    #[test]
+    fn a_long_name_envoy_may_read_as_a_message_is_told_apart() {
+        // "x" is field 15, a varint: "xa" repeated is a well-formed message of any length.
+        assert!(wire_format_fields(b"xa", None, 0).is_some());
+        assert!(envoy_may_misread(&"xa".repeat(64)));
+        // A short one is sent as a GrpcService, whatever its bytes.
+        assert!(!envoy_may_misread("xa"));
+        // Istio's names start with "o" (wire type 7).
+        let istio = format!("outbound|2379||{}.svc.cluster.local", "etcd-".repeat(24));
+        assert!(!envoy_may_misread(&istio));
+        // "e" is field 12, a fixed32: "etcd-east1" is two fields (and aborted Envoy 1.40).
+        assert!(wire_format_fields(b"etcd-east1", None, 0).is_some());
+        assert!(envoy_may_misread(&"etcd-".repeat(26)));
+        assert!(!envoy_may_misread(&format!("{}x", "etcd-".repeat(26))));
+        // Groups: start (field 1, type 3 = 0x0b) and end (type 4 = 0x0c) of the same field.
+        assert!(wire_format_fields(&[0x0b, 0x08, 0x01, 0x0c], None, 0).is_some());
+        assert!(wire_format_fields(&[0x0b, 0x08, 0x01], None, 0).is_none());
+        assert!(wire_format_fields(&[0x0b, 0x14], None, 0).is_none());
+        assert!(wire_format_fields(&[0x0c], None, 0).is_none());
+        // Truncated fields, field 0, a varint that never ends.
+        assert!(wire_format_fields(&[0x0a, 0x05, b'a'], None, 0).is_none());
+        assert!(wire_format_fields(&[0x00, 0x01], None, 0).is_none());
+        assert!(wire_format_fields(&[0x08, 0xff, 0xff], None, 0).is_none());
+        assert!(wire_format_fields(&[0x0d, 1, 2, 3], None, 0).is_none());
+        assert!(wire_format_fields(&[0x09, 1, 2, 3, 4, 5, 6, 7, 8], None, 0).is_some());
     }
 
     /// The bytes etcd's own Go client sends for a claim, written out by hand from rpc.proto:
