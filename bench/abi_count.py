@@ -399,6 +399,8 @@ def main():
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--forward", default="detached", choices=["detached", "router"])
     ap.add_argument("--store", default="shared_data", choices=["shared_data", "etcd"])
+    ap.add_argument("--write-budget-bytes", type=int,
+                    help="with --store etcd: store.write_budget_bytes (0: no write ledger)")
     ap.add_argument("--raw", help="the plugin configuration as given (a control filter's mode, "
                     "bench/controls/), instead of the plugin's JSON")
     ap.add_argument("--by-callback", action="store_true", help="also the host calls of each callback")
@@ -413,7 +415,10 @@ def main():
     if args.store == "etcd":
         from etcd_util import Etcd
         etcd = Etcd()
-        config["store"] = {"kind": "etcd", "cluster": "etcd"}
+        # The JSON gateway: this host answers `dispatch_http_call` only (no gRPC calls).
+        config["store"] = {"kind": "etcd", "cluster": "etcd", "api": "json"}
+        if args.write_budget_bytes is not None:
+            config["store"]["write_budget_bytes"] = args.write_budget_bytes
     try:
         totals = report(args, config, etcd.port if etcd else None)
     finally:
