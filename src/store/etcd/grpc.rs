@@ -233,44 +233,15 @@ pub fn envoy_grpc_service(cluster: &str) -> Option<String> {
 /// as a serialized `GrpcService`: the bytes are a well-formed protobuf message. Envoy's own parse
 /// may still refuse it (a known field of the wrong type); this errs towards "may".
 pub fn envoy_may_misread(cluster: &str) -> bool {
-    envoy_grpc_service(cluster).is_none() && wire_format_fields(cluster.as_bytes(), None, 0).is_some()
+    envoy_grpc_service(cluster).is_none() && well_formed_message(cluster.as_bytes())
 }
 
-/// Reads protobuf fields up to the end of `bytes`, or up to the end-group tag of `group`;
-/// what follows it, or `None` when the bytes are not well-formed.
-fn wire_format_fields(mut bytes: &[u8], group: Option<u64>, depth: u32) -> Option<&[u8]> {
-    const MAX_DEPTH: u32 = 64;
-    while !bytes.is_empty() {
-        let (tag, rest) = varint(bytes)?;
-        let field = tag >> 3;
-        if field == 0 {
-            return None;
-        }
-        bytes = match tag & 7 {
-            0 => varint(rest)?.1,
-            1 => rest.get(8..)?,
-            2 => {
-                let (len, rest) = varint(rest)?;
-                rest.get(usize::try_from(len).ok()?..)?
-            }
-            3 if depth < MAX_DEPTH => wire_format_fields(rest, Some(field), depth + 1)?,
-            4 if group == Some(field) => return Some(rest),
-            5 => rest.get(4..)?,
-            _ => return None,
-        };
-    }
-    group.is_none().then_some(bytes)
-}
-
-fn varint(bytes: &[u8]) -> Option<(u64, &[u8])> {
-    let mut value = 0u64;
-    for (i, byte) in bytes.iter().take(10).enumerate() {
-        value |= u64::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            return Some((value, bytes.get(i + 1..)?));
-        }
-    }
-    None
+/// Whether `bytes` are a well-formed protobuf message: prost's decoder, with every field
+/// unknown, so that any wire type is read and skipped (groups matched, depth bounded).
+fn well_formed_message(bytes: &[u8]) -> bool {
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct AnyMessage {}
+    AnyMessage::decode(bytes).is_ok()
 }
 
 /// A gRPC call's answer as the store sees it: `status` (a gRPC status code) and `message`
@@ -355,7 +326,7 @@ mod tests {
     #[test]
     fn a_long_name_envoy_may_read_as_a_message_is_told_apart() {
         // "x" is field 15, a varint: "xa" repeated is a well-formed message of any length.
-        assert!(wire_format_fields(b"xa", None, 0).is_some());
+        assert!(well_formed_message(b"xa"));
         assert!(envoy_may_misread(&"xa".repeat(64)));
         // A short one is sent as a GrpcService, whatever its bytes.
         assert!(!envoy_may_misread("xa"));
@@ -363,20 +334,20 @@ mod tests {
         let istio = format!("outbound|2379||{}.svc.cluster.local", "etcd-".repeat(24));
         assert!(!envoy_may_misread(&istio));
         // "e" is field 12, a fixed32: "etcd-east1" is two fields (and aborted Envoy 1.40).
-        assert!(wire_format_fields(b"etcd-east1", None, 0).is_some());
+        assert!(well_formed_message(b"etcd-east1"));
         assert!(envoy_may_misread(&"etcd-".repeat(26)));
         assert!(!envoy_may_misread(&format!("{}x", "etcd-".repeat(26))));
         // Groups: start (field 1, type 3 = 0x0b) and end (type 4 = 0x0c) of the same field.
-        assert!(wire_format_fields(&[0x0b, 0x08, 0x01, 0x0c], None, 0).is_some());
-        assert!(wire_format_fields(&[0x0b, 0x08, 0x01], None, 0).is_none());
-        assert!(wire_format_fields(&[0x0b, 0x14], None, 0).is_none());
-        assert!(wire_format_fields(&[0x0c], None, 0).is_none());
+        assert!(well_formed_message(&[0x0b, 0x08, 0x01, 0x0c]));
+        assert!(!well_formed_message(&[0x0b, 0x08, 0x01]));
+        assert!(!well_formed_message(&[0x0b, 0x14]));
+        assert!(!well_formed_message(&[0x0c]));
         // Truncated fields, field 0, a varint that never ends.
-        assert!(wire_format_fields(&[0x0a, 0x05, b'a'], None, 0).is_none());
-        assert!(wire_format_fields(&[0x00, 0x01], None, 0).is_none());
-        assert!(wire_format_fields(&[0x08, 0xff, 0xff], None, 0).is_none());
-        assert!(wire_format_fields(&[0x0d, 1, 2, 3], None, 0).is_none());
-        assert!(wire_format_fields(&[0x09, 1, 2, 3, 4, 5, 6, 7, 8], None, 0).is_some());
+        assert!(!well_formed_message(&[0x0a, 0x05, b'a']));
+        assert!(!well_formed_message(&[0x00, 0x01]));
+        assert!(!well_formed_message(&[0x08, 0xff, 0xff]));
+        assert!(!well_formed_message(&[0x0d, 1, 2, 3]));
+        assert!(well_formed_message(&[0x09, 1, 2, 3, 4, 5, 6, 7, 8]));
     }
 
     /// The bytes etcd's own Go client sends for a claim, written out by hand from rpc.proto:
