@@ -26,14 +26,16 @@ def caller_tag(scope):
     return out.stdout.strip()
 
 
-def test_a_flood_of_new_keys_leaves_another_callers_answers_stored(upstream, make_envoy, wasm):
-    capacity = 256
-    envoy = make_envoy({"capacity": capacity}, upstream.port)
+def flood_then_retry(envoy, upstream, capacity):
+    """The quiet caller stores 64 answers, the flooder sends 8 × `capacity` new keys; then the
+    quiet caller's 64 retries and the flooder's newest 64 must replay, one effect per key.
+    Returns the keys sent and the plugin's counters from just before the retries."""
     quiet = [new_key("quiet") for _ in range(64)]
     firsts = [post(envoy, k, extra=QUIET) for k in quiet]
     flood = [new_key("flood") for _ in range(8 * capacity)]
     answers = run_concurrently(lambda i: post(envoy, flood[i], extra=FLOOD), len(flood),
                                max_workers=8, timeout=300)
+    before = plugin_counters(envoy)
     retries = [post(envoy, k, extra=QUIET) for k in quiet]
     newest = [post(envoy, k, extra=FLOOD) for k in flood[-64:]]
 
@@ -45,6 +47,13 @@ def test_a_flood_of_new_keys_leaves_another_callers_answers_stored(upstream, mak
         assert_replay_of(again, first)
     effects = upstream.effects()
     assert all(effects[k] == 1 for k in quiet + flood), {k: n for k, n in effects.items() if n != 1}
+    return quiet, flood, before
+
+
+def test_a_flood_of_new_keys_leaves_another_callers_answers_stored(upstream, make_envoy, wasm):
+    capacity = 256
+    envoy = make_envoy({"capacity": capacity}, upstream.port)
+    quiet, flood, _ = flood_then_retry(envoy, upstream, capacity)
     counters = plugin_counters(envoy)
     # Every way taken, each new key evicted one of the flooder's own answers.
     assert counters["evicted"] == len(quiet) + len(flood) - capacity, counters
@@ -108,23 +117,7 @@ def test_a_flood_through_etcd_leaves_another_callers_local_copies(upstream, make
         envoy = make_envoy({"capacity": capacity,
                             "store": {"kind": "etcd", "clusters": ["etcd"], "timeout_ms": 1000}},
                            upstream.port, extra_clusters=[etcd_cluster(etcd.port)])
-        quiet = [new_key("quiet") for _ in range(64)]
-        firsts = [post(envoy, k, extra=QUIET) for k in quiet]
-        flood = [new_key("flood") for _ in range(8 * capacity)]
-        answers = run_concurrently(lambda i: post(envoy, flood[i], extra=FLOOD), len(flood),
-                                   max_workers=8, timeout=300)
-        before = plugin_counters(envoy)
-        retries = [post(envoy, k, extra=QUIET) for k in quiet]
-        newest = [post(envoy, k, extra=FLOOD) for k in flood[-64:]]
-
-        for first in firsts + answers:
-            assert first.status == 201 and not is_replay(first), describe(first)
-        for first, again in zip(firsts, retries):
-            assert_replay_of(again, first)
-        for first, again in zip(answers[-64:], newest):
-            assert_replay_of(again, first)
-        effects = upstream.effects()
-        assert all(effects[k] == 1 for k in quiet + flood)
+        quiet, flood, before = flood_then_retry(envoy, upstream, capacity)
         wait_until(lambda: plugin_counters(envoy).get("local_replays", 0)
                    >= before.get("local_replays", 0) + 128, timeout=5,
                    message="every retry replayed from a local copy")
