@@ -12,6 +12,7 @@ pub mod build;
 pub mod bytes;
 pub mod caller;
 pub mod config;
+pub mod defects;
 pub mod digest;
 pub mod encoding;
 pub mod fingerprint;

@@ -6,6 +6,7 @@ use std::rc::Rc;
 use super::request::{self, Outbound, Pending};
 use super::{Held, Holding, Lifecycle, Outgoing, Phase, Reply};
 use crate::config::{OnConflict, OnUnavailable, StoreConfig};
+use crate::defects::{planted, Defect};
 use crate::encoding::StoredResponse;
 use crate::host::{Flow, HeaderMap, Host};
 use crate::metrics::Counter;
@@ -213,7 +214,8 @@ impl<S: Store> Lifecycle<S> {
         if let Some(owner) = owner {
             self.holdings.insert(owner.id, Holding { owner, policy, renewed_ms: leased_ms });
         }
-        let fence = self.config.fencing_header.clone().map(|name| (name, owner.map(|o| o.fence.to_string())));
+        let skew = u64::from(planted(Defect::FenceNotTheClaims));
+        let fence = self.config.fencing_header.clone().map(|name| (name, owner.map(|o| (o.fence + skew).to_string())));
         match outbound {
             Some(mut request) => {
                 if let Some((name, token)) = fence {
@@ -244,6 +246,10 @@ impl<S: Store> Lifecycle<S> {
     /// Same fingerprint, in progress: hold it (wait mode, while there is room) or 409.
     fn in_progress(&mut self, id: u32, mut held: Box<Held>, lazy: &mut LazyOutbound, now: u64) -> Next {
         let Some(policy) = self.streams.get(&id).map(|s| s.policy) else { return Next::Hold };
+        if planted(Defect::DuplicateForwarded) {
+            let outbound = held.outbound.take().or_else(|| lazy.take());
+            return self.go_upstream(id, policy, None, outbound, 0);
+        }
         let p = self.config.clone();
         let p = p.policy(policy);
         if p.on_conflict == OnConflict::Wait && self.waiting < self.config.max_waiters {

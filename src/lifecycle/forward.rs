@@ -5,6 +5,7 @@ use std::rc::Rc;
 
 use super::{CallId, Effect, HeldEnd, Lifecycle, Outgoing, Phase, Reply, Upstream};
 use crate::budget::Reservation;
+use crate::defects::{planted, Defect};
 use crate::encoding::{StoredResponse, STORED_OVERHEAD};
 use crate::grpc;
 use crate::host::{Flow, Headers, Host};
@@ -104,7 +105,7 @@ impl<S: Store> Lifecycle<S> {
                 if let Some(answer) = answer {
                     self.on_owner_answer(owner, answer);
                 }
-                if lost {
+                if lost && !planted(Defect::SentAfterMarkLost) {
                     // The mark expired before the call left (the worker was paused or
                     // stalled past the lease): another request may hold the key now, and
                     // sending would run the work twice. Nothing was sent: safe to retry.
@@ -247,6 +248,9 @@ impl<S: Store> Lifecycle<S> {
 
     pub(super) fn release(&mut self, owner: Owner, now: u64) {
         self.holdings.remove(&owner.id);
+        if planted(Defect::NoRelease) {
+            return self.store.forget(owner);
+        }
         if let Some(answer) = self.store.release(owner, now) {
             self.on_owner_answer(owner, answer);
         }
@@ -261,6 +265,12 @@ impl<S: Store> Lifecycle<S> {
         now: u64,
     ) -> Option<Rc<StoredResponse>> {
         self.holdings.remove(&owner.id);
+        if let Some(r) = response.as_ref().filter(|_| planted(Defect::StoredAnswerDiffers)) {
+            let altered = StoredResponse::new(r.status() + 1, r.headers(), r.body().to_vec());
+            let kept = response.clone();
+            let answer = self.store.complete(owner, Some(Rc::new(altered)), retention_ms, now)?;
+            return self.on_owner_answer(owner, answer).and(kept);
+        }
         let answer = self.store.complete(owner, response, retention_ms, now)?;
         self.on_owner_answer(owner, answer)
     }

@@ -267,7 +267,11 @@ impl<S: Store> Lifecycle<S> {
     /// needs. The claim itself waits for the body (it is part of the fingerprint).
     pub fn on_request_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) -> Flow {
         let config = self.config.clone();
-        if let Some(name) = &config.fencing_header {
+        if let Some(name) = config
+            .fencing_header
+            .as_ref()
+            .filter(|_| !crate::defects::planted(crate::defects::Defect::ForgedFencePasses))
+        {
             self.effects.push(Effect::SetRequestHeader { stream: id, name: name.clone(), value: None });
         }
         let read = request::policy_for(&config, host, end_of_stream);

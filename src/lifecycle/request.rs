@@ -112,7 +112,10 @@ fn covered(
             MissingScope::Share => {}
         }
     }
-    let scope_refs: Vec<Option<&[u8]>> = scopes.iter().map(|s| s.as_deref()).collect();
+    let mut scope_refs: Vec<Option<&[u8]>> = scopes.iter().map(|s| s.as_deref()).collect();
+    if crate::defects::planted(crate::defects::Defect::ScopeIgnored) {
+        scope_refs.clear();
+    }
     let authority = headers.get(":authority").unwrap_or_default();
     let (key, retry) = StoreKey::derive_noting_retries(&config.namespace, authority, &scope_refs, &client_key);
     let mut fingerprint =

@@ -100,6 +100,9 @@ impl<S: Store> Lifecycle<S> {
     /// a worker busy enough to delay its timer by hundreds of milliseconds is busy with
     /// requests, and those renew the marks on time.
     pub(super) fn renew_due(&mut self, now: u64, from_root: bool) {
+        if crate::defects::planted(crate::defects::Defect::RenewalSkipped) {
+            return;
+        }
         if (!from_root && !self.store.answers_at_once()) || now < self.next_renewal_ms {
             return;
         }

@@ -80,6 +80,11 @@ impl<S: Store> Lifecycle<S> {
             // The first call was in progress when last seen: a held duplicate never goes
             // upstream on a store that fails or does not answer (docs/behaviour.md §3.8); it asks again
             // until `wait_max_ms`, then gets the 409.
+            Began::Unavailable if crate::defects::planted(crate::defects::Defect::HeldForwardedOnFailure) => {
+                for id in group {
+                    self.decide_waiter(id, Began::Unavailable, now);
+                }
+            }
             Began::InProgress | Began::Unavailable | Began::Failed(_) => self.still_in_progress(&group, now),
             // Completed, mismatched, full: every waiter gets the same answer (a replay is
             // shared, not copied per waiter).

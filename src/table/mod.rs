@@ -26,6 +26,7 @@
 //! owner's response (docs/behaviour.md §3.8).
 
 use crate::caller::Caller;
+use crate::defects::{planted, Defect};
 use crate::encoding::{Bucket, Corrupt, Entry, KeyTag, State, StoredResponse, ENTRIES};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
@@ -183,7 +184,7 @@ pub fn decide(
     // A live entry of the key decides alone (at most one exists): found by its tag first.
     if let Some(i) = bucket.find_key(key) {
         let entry = bucket.entry(i)?;
-        if entry.is_live(now_ms) {
+        if entry.is_live(now_ms) && !taken_as_expired(&entry) {
             return Ok(judge_live(&entry, i, fingerprint));
         }
     }
@@ -197,7 +198,9 @@ pub fn decide(
             free = free.or(Some(i));
             continue;
         }
-        if !entry.is_live(now_ms) {
+        if !entry.is_live(now_ms)
+            || (bucket.key_is(i, key) && planted(Defect::LiveMarkTakenOver) && entry.state == State::InProgress)
+        {
             if bucket.key_is(i, key) {
                 // Reuse the key's own entry: a takeover when it was an in-progress mark.
                 expired_same_key = Some((i, entry.state == State::InProgress));
@@ -228,9 +231,14 @@ pub fn decide(
     })
 }
 
+/// A planted defect: a live in-progress mark taken as expired.
+fn taken_as_expired(entry: &Entry) -> bool {
+    planted(Defect::LiveMarkTakenOver) && entry.state == State::InProgress
+}
+
 /// A live entry of the request's key: conflict, replay or mismatch.
 fn judge_live(entry: &Entry, index: usize, fingerprint: &Fingerprint) -> Decision {
-    if entry.fingerprint != *fingerprint {
+    if entry.fingerprint != *fingerprint && !planted(Defect::MismatchReplayed) {
         return Decision::Mismatch;
     }
     match entry.state {
@@ -245,7 +253,7 @@ fn judge_live(entry: &Entry, index: usize, fingerprint: &Fingerprint) -> Decisio
 /// if any. A claim's `entry` is meaningless there (0).
 pub fn decide_entry(entry: Option<&Entry>, fingerprint: &Fingerprint, now_ms: u64) -> Decision {
     match entry {
-        Some(entry) if entry.is_live(now_ms) => judge_live(entry, 0, fingerprint),
+        Some(entry) if entry.is_live(now_ms) && !taken_as_expired(entry) => judge_live(entry, 0, fingerprint),
         Some(entry) => Decision::Claim { entry: 0, takeover: entry.state == State::InProgress, below_share: false },
         None => Decision::Claim { entry: 0, takeover: false, below_share: false },
     }
@@ -646,6 +654,10 @@ impl<S: SharedKv> Table<S> {
 
     /// Releases the key at once, so a retry can do the work (docs/behaviour.md §3.4).
     pub fn release(&self, t: &Ticket) -> Result<Finish, StoreError> {
+        if planted(Defect::ReleaseWithoutCompare) {
+            let t = Ticket { gen: self.read_bucket(split_slot(t.slot).0)?.0.entry(split_slot(t.slot).1)?.gen, ..*t };
+            return self.update_owned(&t, |w| *w = Entry { gen: w.gen, ..Entry::FREE });
+        }
         let done = self.update_owned(t, |w| *w = Entry { gen: w.gen, ..Entry::FREE })?;
         if done == Finish::Done {
             // Free what a racing late writer may have left in this entry's data key.

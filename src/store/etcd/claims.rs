@@ -167,10 +167,12 @@ impl EtcdStore {
             completed: None,
             mod_revision: revision,
             busy,
+            tried_ms: now,
             ending: None,
             retry: Backoff::default(),
             unanswered: false,
             renew_wanted: None,
+            lease_ms: round.lease_ms,
         };
         self.owners.insert(id, record);
         if !late {
@@ -183,13 +185,16 @@ impl EtcdStore {
         let request = self
             .usable_lease(now)
             .map(|lease| Request::replace(&round.key, revision, encode_entry(&fresh, None), lease));
-        let who = round.who;
+        let (who, key) = (round.who, round.key.clone());
         let sent = match request {
-            Some(request) => self.send(request, Op::Verify { round, id, value, entry: fresh }, now),
+            Some(request) => self.send(request, Op::Verify { round, id, value: value.clone(), entry: fresh }, now),
             None => false,
         };
         if !sent {
+            // Not going upstream: our mark is removed (only ours: the value carries our token),
+            // rather than left to lock the key until it expires.
             self.owners.remove(&id);
+            self.cleanups.push((key, value));
             self.answer(who, Began::Unavailable);
         }
     }

@@ -3,6 +3,7 @@
 //! numbers) sent with `dispatch_grpc_call`. An answer comes back as the message and its
 //! `grpc-status` and `grpc-message`, as HTTP/2 carries them.
 
+use crate::defects::{planted, Defect};
 use prost::Message;
 
 use super::protocol::{kind_of, Compare, EtcdError, Kv, Request, Target, TxnResult, Write};
@@ -82,6 +83,9 @@ pub mod pb {
     }
 
     /// `Compare.target` (the result is always EQUAL, 0).
+    /// `Compare.result`.
+    pub const EQUAL: i32 = 0;
+    pub const NOT_EQUAL: i32 = 3;
     pub const TARGET_CREATE: i32 = 1;
     pub const TARGET_MOD: i32 = 2;
     pub const TARGET_VALUE: i32 = 3;
@@ -188,8 +192,18 @@ pub fn txn_message(request: &Request) -> Option<pb::TxnRequest> {
         Write::Delete => pb::Op::DeleteRange(pb::DeleteRangeRequest { key: key.clone() }),
     };
     let read = pb::RequestOp { request: Some(pb::Op::Range(pb::RangeRequest { key: key.clone() })) };
+    // Planted defects: a claim or a release whose compare always holds.
+    let blind = match (compare, write) {
+        (Compare::Absent, _) => planted(Defect::ClaimWithoutCompare),
+        (Compare::ModRevision(_), Write::Delete) => planted(Defect::ReleaseWithoutCompare),
+        _ => false,
+    };
+    let (result, target, against) = match blind {
+        true => (pb::NOT_EQUAL, pb::TARGET_MOD, pb::Against::ModRevision(-1)),
+        false => (pb::EQUAL, target, against),
+    };
     Some(pb::TxnRequest {
-        compare: vec![pb::Compare { result: 0, target, key: key.clone(), against: Some(against) }],
+        compare: vec![pb::Compare { result, target, key: key.clone(), against: Some(against) }],
         success: vec![pb::RequestOp { request: Some(op) }],
         failure: if *read_back { vec![read] } else { Vec::new() },
     })

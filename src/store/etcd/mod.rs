@@ -29,6 +29,7 @@ pub(crate) mod model;
 mod tests;
 
 use crate::caller::Caller;
+use crate::defects::{planted, Defect};
 use crate::ledger::{Share, Verdict};
 use std::collections::{HashSet, VecDeque};
 
@@ -53,6 +54,11 @@ const NO_SPACE_LOG_MS: u64 = 60_000;
 const PUT_OVERHEAD_BYTES: u64 = 64;
 /// How often a held request (wait mode) asks etcd again.
 const WAIT_POLL_MS: u64 = 100;
+/// An owner's write whose mark would expire before a try of it that hangs could time out is
+/// tried again beside it after this long (docs/fleet.md, "A leader lost").
+pub const HEDGE_MS: u64 = 200;
+/// Such tries in flight at most, per VM and cluster: a leaderless etcd is not flooded.
+const MAX_HEDGES: usize = 16;
 
 /// One round of a request's claim: its first read, then a claim of the key found absent or
 /// a takeover of the entry found expired.
@@ -88,13 +94,36 @@ struct EtcdOwner {
     mod_revision: i64,
     /// A write of it is in flight.
     busy: bool,
+    /// When its last write was sent.
+    tried_ms: u64,
     ending: Option<Ending>,
-    /// After a refused completion or release: when to try again.
+    /// After a refused write (ending or renewal): when to try again.
     retry: Backoff,
     /// The last refusal was etcd not answering (unreachable, timed out, no leader).
     unanswered: bool,
-    /// A renewal that could not go yet (etcd failing, no usable lease): its `lease_ms`.
+    /// A renewal due that has not gone yet (etcd failing, no usable lease): its `lease_ms`.
     renew_wanted: Option<u64>,
+    /// The claim's `lease_ms`: a refused renewal is tried again with it.
+    lease_ms: u64,
+}
+
+impl EtcdOwner {
+    /// A write of its waits: its ending, or a renewal.
+    fn wants_write(&self) -> bool {
+        self.ending.is_some() || self.renew_wanted.is_some()
+    }
+
+    /// Its write in flight may hang past its mark's deadline (etcd without a leader answers
+    /// only at the call's timeout): time to try again beside it, until the mark is surely lost.
+    fn hedge_due(&self, now: u64, timeout_ms: u64, late_ms: u64) -> bool {
+        let deadline = self.entry.deadline_ms;
+        !planted(Defect::WriteNotHedged)
+            && self.busy
+            && self.wants_write()
+            && now >= self.tried_ms.saturating_add(HEDGE_MS)
+            && deadline < self.tried_ms.saturating_add(timeout_ms)
+            && now < deadline.saturating_add(late_ms)
+    }
 }
 
 enum Op {
@@ -196,7 +225,10 @@ pub struct EtcdStore {
     /// Whether etcd answers at all: after a failure every request waits for the backoff, and
     /// then one request at a time probes (docs/behaviour.md §3.8: a store that fails is never hammered).
     health: Backoff,
-    probe: Option<u64>,
+    /// The probe in flight while etcd fails: its call, when it was sent.
+    probe: Option<(u64, u64)>,
+    /// Owners' tries sent beside one that hangs, in flight (`MAX_HEDGES`).
+    hedges: HashSet<u64>,
     /// The owner whose ending etcd refused (out of space) and whose mark would expire within
     /// its backoff, trying early: one at a time, as the health probe; when it lands, the
     /// others go at once.
@@ -242,6 +274,7 @@ impl EtcdStore {
             cleanups: Vec::new(),
             health: Backoff::default(),
             probe: None,
+            hedges: HashSet::new(),
             refusal_probe: None,
             background: Backoff::default(),
             no_space_logged_ms: 0,
@@ -318,6 +351,16 @@ impl EtcdStore {
         z ^ (z >> 31)
     }
 
+    /// How long past its deadline (by this Envoy's clock) an owner's write stays urgent: a
+    /// replica whose clock runs behind may still see the mark alive ([`Backoff::ready_by`]).
+    fn late_ms(&self) -> u64 {
+        if planted(Defect::WriteNotHedged) {
+            0
+        } else {
+            self.max_lease_ms
+        }
+    }
+
     /// The VM lease, while a mark written with it now would outlive its deadline.
     fn usable_lease(&self, now: u64) -> Option<i64> {
         self.lease.filter(|l| now < l.usable_until_ms).map(|l| l.id)
@@ -329,16 +372,22 @@ impl EtcdStore {
     }
 
     /// [`Self::send`] for an owner's write, which must land by its mark's deadline
-    /// `need_by_ms`: it may probe before the backoff is over ([`Backoff::ready_by`]).
+    /// `need_by_ms`: it may probe before the backoff is over ([`Backoff::ready_by`]), and it
+    /// goes beside a probe that hangs (etcd without a leader answers it only at its timeout,
+    /// which may come after the mark's deadline).
     fn send_by(&mut self, request: Request, op: Op, need_by_ms: u64, now: u64) -> bool {
-        let may_probe = self.health.ready_by(now, need_by_ms, self.link.timeout_ms);
-        if self.health.failing() && (self.probe.is_some() || !may_probe) {
-            return false;
+        if self.health.failing() {
+            let may_probe = self.health.ready_by(now, need_by_ms, self.link.timeout_ms, self.late_ms());
+            let stuck = self.probe.is_some_and(|(_, sent)| now >= sent.saturating_add(HEDGE_MS))
+                && !planted(Defect::WriteNotHedged);
+            if !may_probe || (self.probe.is_some() && !(need_by_ms > 0 && stuck)) {
+                return false;
+            }
         }
         let call = self.next_call;
         self.next_call += 1;
-        if self.health.failing() {
-            self.probe = Some(call);
+        if self.health.failing() && self.probe.is_none() {
+            self.probe = Some((call, now));
         }
         self.charge(&request, &op, now);
         let to =
@@ -349,6 +398,30 @@ impl EtcdStore {
         true
     }
 
+    /// Sends an owner's waiting write: its ending, or its renewal. One already in flight is
+    /// tried again beside it when it may hang past the mark's deadline (a hedge).
+    fn send_write(&mut self, id: u64, now: u64) {
+        let Some(o) = self.owners.get(&id) else { return };
+        let hedge = o.busy;
+        if hedge && self.hedges.len() >= MAX_HEDGES {
+            return;
+        }
+        let sent_before = self.next_call;
+        match (&o.ending, o.renew_wanted) {
+            (Some(_), _) => self.send_end(id, now),
+            (None, Some(lease_ms)) => self.send_renew(id, lease_ms, now),
+            (None, None) => return,
+        }
+        if self.next_call > sent_before {
+            if hedge {
+                self.hedges.insert(sent_before);
+            }
+            if let Some(o) = self.owners.get_mut(&id) {
+                o.tried_ms = now;
+            }
+        }
+    }
+
     /// Keeps the VM lease and the retention leases ready, then sends claims, endings and
     /// cleanups.
     fn pump(&mut self, now: u64) {
@@ -356,11 +429,18 @@ impl EtcdStore {
         // a refusal (out of space, answered at once) one owner at a time whose mark would
         // expire within its backoff tries early, as that probe does: sat out, the alarm may
         // clear and the mark expire before the retry, and another replica runs the call again.
-        let timeout_ms = self.link.timeout_ms;
+        // A write that may hang past its mark's deadline is tried again beside it.
+        let (timeout_ms, late_ms) = (self.link.timeout_ms, self.late_ms());
         let mut refusal_probe = self.refusal_probe.filter(|id| self.owners.get(id).is_some_and(|o| o.busy));
         let mut ready = Vec::new();
-        for (id, o) in self.owners.iter().filter(|(_, o)| o.ending.is_some() && !o.busy) {
-            let urgent = o.retry.ready_by(now, o.entry.deadline_ms, timeout_ms);
+        for (id, o) in self.owners.iter().filter(|(_, o)| o.wants_write()) {
+            if o.busy {
+                if o.hedge_due(now, timeout_ms, late_ms) {
+                    ready.push(*id);
+                }
+                continue;
+            }
+            let urgent = o.retry.ready_by(now, o.entry.deadline_ms, timeout_ms, late_ms);
             if o.retry.ready(now) || (o.unanswered && urgent) {
                 ready.push(*id);
             } else if urgent && refusal_probe.is_none() {
@@ -370,21 +450,16 @@ impl EtcdStore {
         }
         self.refusal_probe = refusal_probe;
         for id in ready {
-            self.send_end(id, now);
+            self.send_write(id, now);
         }
         let background = self.background.ready(now);
         let lease_due = self.lease_due(now);
         if background {
             self.keep_leases(lease_due, now);
-        } else if lease_due > 0 && self.background.ready_by(now, lease_due, timeout_ms) {
+        } else if lease_due > 0 && self.background.ready_by(now, lease_due, timeout_ms, late_ms) {
             // A mark about to expire waits for a lease to renew it with: as for its own
             // write, the backoff is cut short rather than let another replica take it over.
             self.grant_vm_lease(lease_due, now);
-        }
-        let renewals: Vec<(u64, u64)> =
-            self.owners.iter().filter_map(|(id, o)| o.renew_wanted.map(|lease_ms| (*id, lease_ms))).collect();
-        for (id, lease_ms) in renewals {
-            self.send_renew(id, lease_ms, now);
         }
         if self.usable_lease(now).is_none() && !self.lease_pending {
             // No lease and none coming: the queued claims cannot be sent.
@@ -500,10 +575,11 @@ impl EtcdStore {
     /// The health of etcd, from one answer: unreachable answers grow the backoff (not those
     /// of requests sent before the first failure), anything else resets it.
     fn note_health(&mut self, call: u64, unreachable: bool, now: u64) {
-        let probe = self.probe == Some(call);
+        let probe = self.probe.is_some_and(|(c, _)| c == call);
         if probe {
             self.probe = None;
         }
+        self.hedges.remove(&call);
         if !unreachable {
             self.health.succeed();
         } else if probe || !self.health.failing() {
@@ -553,7 +629,10 @@ impl Store for EtcdStore {
     }
 
     fn renew(&mut self, owner: Owner, lease_ms: u64, now_ms: u64) -> Option<Answer> {
-        self.send_renew(owner.id, lease_ms, now_ms);
+        if let Some(o) = self.owners.get_mut(&owner.id).filter(|o| o.ending.is_none()) {
+            o.renew_wanted = Some(lease_ms);
+        }
+        self.pump(now_ms);
         None
     }
 

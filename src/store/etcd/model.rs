@@ -98,6 +98,22 @@ impl Model {
         self.kvs.get(key).map(|e| e.value.clone())
     }
 
+    /// A key's value and `mod_revision`.
+    pub fn get(&self, key: &[u8]) -> Option<(&[u8], i64)> {
+        self.kvs.get(key).map(|e| (e.value.as_slice(), e.mod_revision))
+    }
+
+    /// The method of a call and the key it is on (the compare's key for a transaction).
+    pub fn request_key(request: &CallRequest) -> Option<(&'static str, Vec<u8>)> {
+        let CallKind::Grpc { method, .. } = &request.kind else { return None };
+        let key = match *method {
+            "Range" => pb::RangeRequest::decode(request.body.as_slice()).ok()?.key,
+            "Txn" => Self::txn_key(request)?,
+            _ => return None,
+        };
+        Some((method, key))
+    }
+
     /// When the lease a key rides ends (`None`: no lease, or no such key).
     pub fn lease_end(&self, key: &[u8]) -> Option<u64> {
         self.kvs.get(key).and_then(|e| self.leases.get(&e.lease)).copied()
@@ -131,11 +147,16 @@ impl Model {
 
     fn compare(&self, c: &pb::Compare) -> bool {
         let e = self.kvs.get(&c.key);
-        match (c.target, &c.against) {
+        let equal = match (c.target, &c.against) {
             (pb::TARGET_CREATE, Some(pb::Against::CreateRevision(r))) => e.map_or(0, |e| e.create_revision) == *r,
             (pb::TARGET_MOD, Some(pb::Against::ModRevision(r))) => e.map_or(0, |e| e.mod_revision) == *r,
             (pb::TARGET_VALUE, Some(pb::Against::Value(v))) => e.is_some_and(|e| &e.value == v),
-            _ => false,
+            _ => return false,
+        };
+        match c.result {
+            pb::EQUAL => equal,
+            pb::NOT_EQUAL => !equal,
+            _ => false, // GREATER and LESS: the plugin sends neither
         }
     }
 

@@ -65,8 +65,8 @@ impl EtcdStore {
         }
     }
 
-    /// Extends an owner's mark, unless its call ended. One that cannot go yet (a write of it in
-    /// flight, etcd failing, no usable lease) is kept and tried again from `pump`.
+    /// Extends an owner's mark, unless its call ended. One that cannot go yet (etcd failing,
+    /// no usable lease) stays wanted and is tried again from `pump`.
     pub(super) fn send_renew(&mut self, id: u64, lease_ms: u64, now: u64) {
         let lease = self.usable_lease(now);
         let Some(o) = self.owners.get_mut(&id) else { return };
@@ -75,14 +75,15 @@ impl EtcdStore {
             return;
         }
         o.renew_wanted = Some(lease_ms);
-        let Some(lease) = lease.filter(|_| !o.busy) else { return };
+        let Some(lease) = lease else { return };
         let entry = Entry { deadline_ms: now.saturating_add(lease_ms), ..o.entry };
         let request = Request::replace(&o.key, o.mod_revision, encode_entry(&entry, None), lease);
         let need_by_ms = o.entry.deadline_ms;
+        let was_busy = o.busy;
         o.busy = true;
         let sent = self.send_by(request, Op::Renew { id, entry }, need_by_ms, now);
         if let Some(o) = self.owners.get_mut(&id) {
-            o.busy = sent;
+            o.busy = sent || was_busy;
             if sent {
                 o.renew_wanted = None;
             }
@@ -124,9 +125,21 @@ impl EtcdStore {
                 if let Some(o) = self.owners.get_mut(&id) {
                     o.mod_revision = revision;
                     o.entry = entry;
+                    o.retry.succeed();
+                    o.unanswered = false;
                 }
             }
-            Ok(TxnResult { current: Some(kv), .. }) if self.adopt_if_ours(id, &kv) => {}
+            Ok(TxnResult { current: Some(kv), .. }) if self.adopt_if_ours(id, &kv) => {
+                // An earlier write of ours landed late and moved the revision on: this renewal
+                // did not, and the mark keeps that write's older deadline. Renew again now.
+                if let Some(o) = self.owners.get_mut(&id).filter(|o| o.ending.is_none()) {
+                    o.renew_wanted = Some(o.lease_ms);
+                }
+            }
+            // Its ending, tried beside this renewal, landed first.
+            Ok(TxnResult { current, .. }) if self.ended_already(id, current.as_ref()) => {
+                self.on_end(id, Ok(TxnResult { succeeded: true, revision: 0, current: None }), now)
+            }
             Ok(_) => {
                 // Taken over (or gone): this owner no longer holds the key. An ending that
                 // waited behind the renewal is answered now, as it would have been (lost):
@@ -143,6 +156,15 @@ impl EtcdStore {
             Err(err) => {
                 self.forget_dead_lease(&err);
                 self.note_no_space(&err, now);
+                // Tried again as the backoff lets it, early when the mark would expire first.
+                let jitter = self.draw();
+                if let Some(o) = self.owners.get_mut(&id) {
+                    if o.ending.is_none() {
+                        o.renew_wanted = Some(o.lease_ms);
+                    }
+                    o.retry.fail(now, jitter);
+                    o.unanswered = err.kind() == ErrorKind::Unreachable;
+                }
             }
         }
     }
@@ -174,11 +196,12 @@ impl EtcdStore {
             None => return,
         };
         let Some(o) = self.owners.get_mut(&id) else { return };
+        let was_busy = o.busy;
         o.busy = true;
         let need_by_ms = o.entry.deadline_ms;
         if !self.send_by(request, Op::End { id }, need_by_ms, now) {
             if let Some(o) = self.owners.get_mut(&id) {
-                o.busy = false;
+                o.busy = was_busy;
             }
         }
     }

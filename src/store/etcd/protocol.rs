@@ -218,9 +218,14 @@ impl Backoff {
     /// Whether a write that must land by `need_by_ms` may go now: once the backoff is over, or
     /// when waiting for it and then `slack_ms` (one call's timeout) would miss `need_by_ms`,
     /// `BACKOFF_MIN_MS` after the last failure. A mark about to expire is worth a probe: sat
-    /// out, another replica takes the key over and runs the call again.
-    pub fn ready_by(&self, now_ms: u64, need_by_ms: u64, slack_ms: u64) -> bool {
-        let urgent = now_ms < need_by_ms && need_by_ms < self.next_ms.saturating_add(slack_ms);
+    /// out, another replica takes the key over and runs the call again. It stays worth one for
+    /// `late_ms` past `need_by_ms`: this Envoy's clock judges the deadline, and a replica whose
+    /// clock runs behind still sees the mark alive (a write that lands then still keeps it).
+    /// `need_by_ms` 0: nothing needs it by any time.
+    pub fn ready_by(&self, now_ms: u64, need_by_ms: u64, slack_ms: u64, late_ms: u64) -> bool {
+        let urgent = need_by_ms > 0
+            && now_ms < need_by_ms.saturating_add(late_ms)
+            && need_by_ms < self.next_ms.saturating_add(slack_ms);
         self.ready(now_ms) || (urgent && now_ms >= self.failed_ms.saturating_add(BACKOFF_MIN_MS))
     }
 
@@ -305,12 +310,14 @@ mod tests {
         let next = (10_000..).find(|t| b.ready(*t)).unwrap();
         assert!(next >= 10_000 + BACKOFF_MAX_MS / 2);
         // Due well after the backoff (with a call's timeout to spare): it waits.
-        assert!(!b.ready_by(10_500, next + 1_000, 1_000));
+        assert!(!b.ready_by(10_500, next + 1_000, 1_000, 3_000));
         // Due before the backoff ends: it goes, but not sooner than the shortest backoff.
-        assert!(!b.ready_by(10_050, next, 1_000));
-        assert!(b.ready_by(10_000 + BACKOFF_MIN_MS, next, 1_000));
-        // Its deadline passed: nothing is left to save, the backoff holds.
-        assert!(!b.ready_by(next - 1, next - 2, 1_000));
+        assert!(!b.ready_by(10_050, next, 1_000, 3_000));
+        assert!(b.ready_by(10_000 + BACKOFF_MIN_MS, next, 1_000, 3_000));
+        // Its deadline passed by this Envoy's clock: another Envoy's may still see it alive.
+        assert!(b.ready_by(next - 1, next - 2, 1_000, 3_000));
+        // Past it by more than the allowance: nothing is left to save, the backoff holds.
+        assert!(!b.ready_by(next - 1, next - 3_002, 1_000, 3_000));
     }
 
     #[test]

@@ -199,7 +199,9 @@ fn a_forgotten_owner_leaves_nothing_behind() {
     s.forget(owner);
     assert!(s.is_idle());
     s.renew(owner, LEASE, 3_000);
-    assert!(s.poll_call().is_none(), "a forgotten owner is not renewed");
+    while let Some((_, request)) = s.poll_call() {
+        assert!(!matches!(request.kind, CallKind::Grpc { method: "Txn", .. }), "a forgotten owner is not renewed");
+    }
 }
 
 #[test]
@@ -564,13 +566,14 @@ fn an_etcd_out_of_space_is_not_hammered_by_a_waiting_completion() {
     m.no_space = true;
     // Refused at once, the mark's deadline 2.5 s away: on its backoff (at 500, then at least
     // 50, 100, 200, 400 and 800 ms after each refusal), and in the last backoff and timeout
-    // before its deadline as a probe, at most every 100 ms (as for an etcd that does not
-    // answer); after the deadline, on its backoff only.
+    // before its deadline, and for one lease after it (another Envoy's clock may run behind),
+    // as a probe, at most every 100 ms (as for an etcd that does not answer); then on its
+    // backoff only.
     s.complete(owner, Some(response("done")), RETENTION, 500);
     let mut calls: std::collections::HashMap<&'static str, usize> = Default::default();
-    let mut per_second = [0usize; 11];
-    let mut before_deadline = 0;
-    for t in (500..10_500u64).step_by(10) {
+    let mut per_second = [0usize; 21];
+    let (mut before_deadline, mut surely_lost) = (0, 0);
+    for t in (500..20_500u64).step_by(10) {
         s.tick(t);
         let mut in_one_tick = 0;
         while let Some((n, request)) = s.poll_call() {
@@ -579,6 +582,7 @@ fn an_etcd_out_of_space_is_not_hammered_by_a_waiting_completion() {
             if let CallKind::Grpc { method, .. } = request.kind {
                 *calls.entry(method).or_default() += 1;
                 before_deadline += usize::from(method == "Txn" && t < 3_000);
+                surely_lost += usize::from(method == "Txn" && t >= 3_000 + LEASE);
                 if method == "Txn" {
                     per_second[(t / 1_000) as usize] += 1;
                 }
@@ -588,11 +592,10 @@ fn an_etcd_out_of_space_is_not_hammered_by_a_waiting_completion() {
         }
         answers(&mut s);
     }
-    let (txns, grants) = (calls.get("Txn").copied().unwrap_or(0), calls.get("LeaseGrant").copied().unwrap_or(0));
-    // Backoffs of 100 ms doubling to 2 s: about 9 rounds in 10 s, each a completion or two
-    // grants (the VM's lease and the retention lease); the probes before the deadline.
-    let after_deadline = txns - before_deadline;
-    assert!(after_deadline <= 6 && grants <= 20, "{after_deadline} completions after the deadline, {grants} grants");
+    let grants = calls.get("LeaseGrant").copied().unwrap_or(0);
+    // Backoffs of 100 ms doubling to 2 s: about 4 rounds in the last 7.5 s, each a completion
+    // or two grants (the VM's lease and the retention lease).
+    assert!(surely_lost <= 5 && grants <= 30, "{surely_lost} completions a lease after the deadline, {grants} grants");
     assert!(per_second.iter().all(|n| *n <= 11), "completions per second: {per_second:?}");
     assert!(before_deadline <= 20, "{before_deadline} completions in the 2.5 s before the deadline");
 }
@@ -987,5 +990,47 @@ fn calls_are_sent_again_only_when_they_never_reached_etcd() {
             s.on_call_answer(n, &answer, 10);
         }
         assert!(seen >= 3, "{api:?}: a lease, a read and a claim at least, saw {seen}");
+    }
+}
+
+/// Defect (the leader-kill storm on real etcd, CI of 2026-12-04): a completion became ready
+/// while etcd had no leader; every try hung until its timeout, one probe at a time went, and
+/// the time between the election and the mark's deadline went unused: the mark expired and a
+/// retry ran the call again. Now a try that may hang past the deadline is tried again beside
+/// it, and a write stays urgent past its own clock's deadline: it lands once etcd answers.
+#[test]
+fn a_completion_stuck_in_a_leaderless_etcd_lands_once_a_leader_is_back() {
+    for (leader_back, seed) in [(2_400u64, 1u64), (2_600, 2), (2_750, 3), (2_200, 4)] {
+        let (mut s, mut m) = (store(seed), Model::new());
+        s.begin(For::Stream(1), &Claim { lease_ms: 3_000, ..claim("k") }, 0);
+        run(&mut s, &mut m, 0);
+        let Began::Claimed { owner, .. } = began(&mut s) else { panic!("not claimed") };
+        // Until `leader_back`, every call hangs: no answer but Envoy's timeout (1 s).
+        let mut hung: Vec<(u64, u64)> = Vec::new();
+        let mut completed_at = None;
+        s.complete(owner, Some(response("done")), RETENTION, 1_000);
+        for t in (1_000..6_000u64).step_by(10) {
+            s.tick(t);
+            while let Some((n, request)) = s.poll_call() {
+                if t < leader_back {
+                    hung.push((n, t + 1_000));
+                    continue;
+                }
+                let answer = m.handle(&request, t);
+                s.on_call_answer(n, &answer, t);
+            }
+            for (n, _) in hung.iter().filter(|(_, at)| *at == t) {
+                s.on_call_answer(*n, &timed_out(), t);
+            }
+            for (_, answer) in answers(&mut s) {
+                if matches!(answer, Answer::Completed(Completed::Stored { .. })) {
+                    completed_at.get_or_insert(t);
+                }
+            }
+        }
+        let done = completed_at.unwrap_or_else(|| panic!("leader back at {leader_back}: never completed"));
+        assert!(done < 3_000, "leader back at {leader_back}: completed at {done}, after the mark's deadline");
+        let in_flight = hung.iter().filter(|(_, at)| *at > leader_back).count();
+        assert!(in_flight <= 6, "leader back at {leader_back}: {in_flight} tries left hanging");
     }
 }
