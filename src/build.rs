@@ -25,6 +25,17 @@ pub fn lifecycle<K: SharedKv + Clone + 'static>(
     kv: K,
     random: &mut dyn FnMut() -> u64,
 ) -> Result<AnyLifecycle, String> {
+    lifecycle_wrapped(config, kv, random, |store| store)
+}
+
+/// [`lifecycle`], its store wrapped by `wrap` (the simulator taps what the store tells each
+/// stream).
+pub fn lifecycle_wrapped<K: SharedKv + Clone + 'static>(
+    config: Config,
+    kv: K,
+    random: &mut dyn FnMut() -> u64,
+    wrap: impl FnOnce(Box<dyn Store>) -> Box<dyn Store>,
+) -> Result<AnyLifecycle, String> {
     let tick_ms = Lifecycle::<Box<dyn Store>>::tick_ms_for(&config);
     let store: Box<dyn Store> = match &config.store {
         StoreConfig::SharedData => {
@@ -79,7 +90,7 @@ pub fn lifecycle<K: SharedKv + Clone + 'static>(
             }
         }
     };
-    Ok(Lifecycle::new(config, store))
+    Ok(Lifecycle::new(config, wrap(store)))
 }
 
 /// This Envoy's copies of the fleet's completed entries: a table of their own in shared data

@@ -9,7 +9,10 @@
 //! while; `cargo test --lib sim::` runs the whole matrix with a fixed number of seeds each.
 
 mod check;
+mod history;
 mod net;
+mod oracle;
+mod tap;
 mod world;
 
 #[cfg(test)]
@@ -114,8 +117,8 @@ impl Combo {
     }
 
     /// The plugin's configuration for this combination: short leases and waits, so that
-    /// expiry, renewal and `wait_max_ms` happen within a run.
-    pub fn config_json(&self) -> String {
+    /// expiry, renewal and `wait_max_ms` happen within a run; `etcd_timeout_ms` is drawn per seed.
+    pub fn config_json(&self, etcd_timeout_ms: u64) -> String {
         let mut fields = vec![
             format!("\"lease_ms\":{}", LEASE_MS),
             "\"retention_s\":3600".to_string(),
@@ -139,7 +142,7 @@ impl Combo {
             fields.push(format!(
                 "\"store\":{{\"kind\":\"etcd\",\"clusters\":[{}],\"timeout_ms\":{},\"write_budget_bytes\":{},\"on_unavailable\":\"{}\",\"local_replays\":{}}}",
                 names.join(","),
-                ETCD_TIMEOUT_MS,
+                etcd_timeout_ms,
                 WRITE_BUDGET_BYTES,
                 if self.pass { "pass" } else { "reject" },
                 local_replays
@@ -153,7 +156,6 @@ pub const LEASE_MS: u64 = 3_000;
 pub const WAIT_MAX_MS: u64 = 1_500;
 pub const UPSTREAM_TIMEOUT_MS: u64 = 6_000;
 pub const MAX_RESPONSE_BYTES: usize = 2_048;
-pub const ETCD_TIMEOUT_MS: u64 = 500;
 /// Small enough that a run's busiest caller meets it now and then: the 429 path runs too.
 pub const WRITE_BUDGET_BYTES: u64 = 1_500;
 pub const FENCE_HEADER: &str = "x-fence";
@@ -168,6 +170,8 @@ pub struct Report {
     /// grants and transactions that write in either branch).
     pub etcd: EtcdCalls,
     pub violations: Vec<check::Violation>,
+    /// How often each of the oracle's excuses for a second effect of a key was used.
+    pub excuses: std::collections::BTreeMap<&'static str, usize>,
     /// The run's trace, when asked for.
     pub trace: Vec<String>,
 }

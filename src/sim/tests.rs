@@ -17,6 +17,7 @@ fn every_combination_keeps_every_invariant() {
     let start = std::time::Instant::now();
     let mut failures = Vec::new();
     let mut requests = 0;
+    let mut excuses: std::collections::BTreeMap<&str, usize> = Default::default();
     for combo in Combo::all() {
         let (mut combo_requests, mut combo_effects, mut combo_etcd) = (0, 0, EtcdCalls::default());
         for seed in 0..seeds {
@@ -24,6 +25,9 @@ fn every_combination_keeps_every_invariant() {
             combo_requests += report.requests;
             combo_effects += report.effects;
             combo_etcd += report.etcd;
+            for (name, n) in report.excuses {
+                *excuses.entry(name).or_default() += n;
+            }
             for v in report.violations {
                 failures.push(format!("SEED={seed} COMBO={} {v}", combo.name()));
             }
@@ -36,7 +40,7 @@ fn every_combination_keeps_every_invariant() {
         );
     }
     eprintln!(
-        "simulated {} combinations x {seeds} seeds: {requests} requests in {:.1} s",
+        "simulated {} combinations x {seeds} seeds: {requests} requests in {:.1} s; excuses used: {excuses:?}",
         Combo::all().len(),
         start.elapsed().as_secs_f64()
     );
@@ -63,13 +67,14 @@ fn one_seed() {
             }
         }
         println!(
-            "SEED={seed} COMBO={}: {} requests, {} upstream effects, {} events, {:.1} ms{}",
+            "SEED={seed} COMBO={}: {} requests, {} upstream effects, {} events, {:.1} ms{}; excuses {:?}",
             combo.name(),
             report.requests,
             report.effects,
             report.events,
             start.elapsed().as_secs_f64() * 1e3,
-            if combo.is_etcd() { format!(", {}", report.etcd) } else { String::new() }
+            if combo.is_etcd() { format!(", {}", report.etcd) } else { String::new() },
+            report.excuses
         );
         for v in &report.violations {
             println!("  VIOLATION {v}");
@@ -90,6 +95,7 @@ fn long() {
     let combos = Combo::all();
     let (mut seeds, mut runs, mut requests, mut effects) = (0u64, 0u64, 0usize, 0usize);
     let mut by_invariant: std::collections::BTreeMap<&str, (usize, String)> = Default::default();
+    let mut excuses: std::collections::BTreeMap<&str, usize> = Default::default();
     while start.elapsed().as_secs() < seconds {
         let seed = first_seed + seeds;
         for combo in &combos {
@@ -97,6 +103,9 @@ fn long() {
             runs += 1;
             requests += report.requests;
             effects += report.effects;
+            for (name, n) in report.excuses {
+                *excuses.entry(name).or_default() += n;
+            }
             for v in report.violations {
                 let e = by_invariant.entry(v.invariant).or_insert((0, String::new()));
                 if e.0 == 0 {
@@ -112,6 +121,7 @@ fn long() {
         combos.len(),
         start.elapsed().as_secs_f64()
     );
+    println!("  excuses used: {excuses:?}");
     for (name, _) in check::INVARIANTS {
         match by_invariant.get(name) {
             Some((n, first)) => println!("  {name}: {n} runs, first: {first}"),
@@ -119,4 +129,57 @@ fn long() {
         }
     }
     assert!(by_invariant.is_empty());
+}
+
+/// Every planted defect of `crate::defects` makes the matrix fail: the simulator is only as
+/// good as the defects it catches. Prints, per defect, the invariants that caught it and the
+/// first seed and combination; fails if one survives every combination and seed.
+#[test]
+#[cfg_attr(debug_assertions, ignore = "slow unoptimised: `make unit` runs it with --release")]
+fn every_planted_defect_is_caught() {
+    use crate::defects::{plant, Defect};
+    let seeds = env_u64("SIM_SEEDS").unwrap_or(SEEDS);
+    let start = std::time::Instant::now();
+    let caught: Vec<(Defect, Option<String>)> = std::thread::scope(|scope| {
+        let halves: Vec<Vec<Defect>> = vec![
+            Defect::ALL.iter().copied().step_by(2).collect(),
+            Defect::ALL.iter().copied().skip(1).step_by(2).collect(),
+        ];
+        let workers: Vec<_> = halves
+            .into_iter()
+            .map(|defects| {
+                scope.spawn(move || {
+                    defects
+                        .into_iter()
+                        .map(|defect| {
+                            let _planted = plant(defect);
+                            let first = (0..seeds).find_map(|seed| {
+                                Combo::all().into_iter().find_map(|combo| {
+                                    let report = run(seed, combo, false);
+                                    let names: Vec<&str> = report.violations.iter().map(|v| v.invariant).collect();
+                                    (!names.is_empty())
+                                        .then(|| format!("{} (SEED={seed} COMBO={})", names.join(", "), combo.name()))
+                                })
+                            });
+                            (defect, first)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
+    });
+    let mut survivors = Vec::new();
+    for (defect, first) in &caught {
+        match first {
+            Some(how) => eprintln!("defect {defect:?}: caught by {how}"),
+            None => {
+                eprintln!("defect {defect:?}: SURVIVED {seeds} seeds of every combination");
+                survivors.push(*defect);
+            }
+        }
+    }
+    eprintln!("{} planted defects in {:.1} s", caught.len(), start.elapsed().as_secs_f64());
+    assert_eq!(caught.len(), crate::defects::Defect::ALL.len());
+    assert!(survivors.is_empty(), "defects the simulator did not catch: {survivors:?}");
 }

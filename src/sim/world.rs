@@ -1,17 +1,20 @@
 //! The simulated world: Envoys and their VMs, the etcd clusters behind their network, the
 //! upstream, the clients; one event at a time, in virtual time, with the effects carried out
-//! as the plugin's adapter does (`src/plugin/vm.rs`) and the invariants checked as they go.
+//! as the plugin's adapter does (`src/plugin/vm.rs`). It records what its models saw (the
+//! upstream's calls, each client's answers, the stores' history, the faults); `oracle.rs`
+//! judges from that record alone.
 
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use super::check::Checker;
-use super::net::{Faults, Queue, Rng, Trouble};
-use super::{Combo, Protocol, Report, StoreKind, ETCD_TIMEOUT_MS, FENCE_HEADER, LEASE_MS, MAX_RESPONSE_BYTES};
+use super::history::{bucket_entry, Claim, History, KeyId, Locator, Mark};
+use super::net::{Faults, Queue, Rng, Trouble, Window};
+use super::{Combo, Protocol, Report, StoreKind, FENCE_HEADER, LEASE_MS, MAX_RESPONSE_BYTES};
 use crate::build::AnyLifecycle;
 use crate::config::Config;
+use crate::encoding::decode_entry;
 use crate::host::{Flow, Headers};
-use crate::lifecycle::inspect::PhaseName;
 use crate::lifecycle::{CallId, Effect, Reply};
 use crate::store::etcd::model::Model;
 use crate::store::{CallAnswer, CallKind, CallRequest};
@@ -20,8 +23,8 @@ use crate::test_host::TestHost as SimHost;
 
 const ENVOYS_ETCD: usize = 2;
 const WORKERS: usize = 2;
-const SCOPES: u64 = 2;
-const KEYS: u64 = 3;
+pub(super) const SCOPES: u64 = 2;
+pub(super) const KEYS: u64 = 3;
 const CLIENTS: u64 = 10;
 /// Traffic starts within this; faults fall within it too.
 const HORIZON_MS: u64 = 8_000;
@@ -29,18 +32,20 @@ const HORIZON_MS: u64 = 8_000;
 const DRAIN_MS: u64 = 3 * LEASE_MS + 6_000;
 const HARD_END_MS: u64 = 180_000;
 /// Where the Envoys' clocks start (true time starts at 0).
-const CLOCK_BASE_MS: u64 = 1_000_000;
+pub(super) const CLOCK_BASE_MS: u64 = 1_000_000;
 /// After the drain, how long the VMs may take to be idle at one moment.
 const SETTLE_MS: u64 = 10_000;
-/// A client that stays has its answer within this (plus the time its Envoy was paused).
+/// A client that stays has its answer within this (plus the time its VM did not run).
 const ANSWER_BOUND_MS: u64 = 20_000;
 const FORGED_FENCE: &str = "99999999";
 
-type KeyId = (u64, u64);
-
-enum Ev {
+pub(super) enum Ev {
     Send {
         client: usize,
+    },
+    /// A request reaches its VM (late, when its Envoy was paused or its worker stalled).
+    Deliver {
+        req: usize,
     },
     Leave {
         req: usize,
@@ -53,6 +58,11 @@ enum Ev {
     },
     Wake {
         vm: usize,
+    },
+    /// Envoy refused to dispatch a call: the adapter says so at once.
+    CallFailed {
+        vm: usize,
+        call: CallId,
     },
     EtcdArrive {
         cluster: usize,
@@ -79,28 +89,36 @@ enum Ev {
 }
 
 impl Ev {
-    /// The Envoy an event runs in (paused Envoys run nothing).
-    fn envoy(&self, w: &World) -> Option<usize> {
+    /// Where an event runs: its Envoy, and its VM (a paused Envoy or a stalled VM runs none).
+    fn runs_in(&self, w: &World) -> Option<(usize, Option<usize>)> {
         let vm = match self {
             Ev::Send { .. } | Ev::EtcdArrive { .. } | Ev::UpstreamArrive { .. } => return None,
-            Ev::ConfigUpdate { envoy } => return Some(*envoy),
-            Ev::Leave { req } | Ev::StreamDone { req } => w.reqs.get(*req)?.vm,
-            Ev::Tick { vm } | Ev::Wake { vm } | Ev::EtcdAnswer { vm, .. } => *vm,
+            Ev::ConfigUpdate { envoy } => return Some((*envoy, None)),
+            Ev::Deliver { req } | Ev::Leave { req } | Ev::StreamDone { req } => w.reqs.get(*req)?.vm,
+            Ev::Tick { vm } | Ev::Wake { vm } | Ev::EtcdAnswer { vm, .. } | Ev::CallFailed { vm, .. } => *vm,
             Ev::UpstreamAnswer { flight } => w.flights.get(*flight)?.vm,
         };
-        w.vms.get(vm).map(|v| v.envoy)
+        w.vms.get(vm).map(|v| (v.envoy, Some(vm)))
     }
 }
 
-struct Vm {
-    envoy: usize,
+pub(super) struct Vm {
+    pub envoy: usize,
     lifecycle: AnyLifecycle,
+    /// What its store told each stream (the tap).
+    told: super::tap::Told,
     next_id: u32,
     tick_ms: u64,
     /// Replaced by a configuration update: takes no new streams, ends once idle.
     draining: bool,
     /// Ended (`proxy_done`): its timer and queue are gone.
     finished: bool,
+}
+
+impl Vm {
+    pub fn lifecycle_tick_ms(&self) -> u64 {
+        self.tick_ms
+    }
 }
 
 struct Client {
@@ -111,35 +129,39 @@ struct Client {
 
 /// What a client got.
 #[derive(Debug, Clone)]
-struct Got {
-    status: u16,
-    grpc: Option<u32>,
-    body: Vec<u8>,
-    replayed: bool,
+pub(super) struct Got {
+    pub status: u16,
+    pub grpc: Option<u32>,
+    pub body: Vec<u8>,
+    pub replayed: bool,
     /// The plugin's own problem, by its slug.
-    problem: Option<&'static str>,
+    pub problem: Option<&'static str>,
 }
 
 #[derive(PartialEq, Eq)]
-enum ReqState {
+pub(super) enum ReqState {
     Waiting,
     Answered,
     Left,
 }
 
-struct Req {
+pub(super) struct Req {
     client: usize,
-    key: KeyId,
-    vm: usize,
+    pub key: KeyId,
+    /// Which body the client sends (its fingerprint).
+    pub variant: u64,
+    pub vm: usize,
     id: u32,
-    sent: u64,
-    state: ReqState,
+    pub sent: u64,
+    /// When its VM had the whole request (`None`: not yet), and in which event.
+    pub body_at: Option<u64>,
+    pub body_seq: usize,
+    pub state: ReqState,
     /// When the client had its whole answer (`got`).
-    answered_at: Option<u64>,
+    pub answered_at: Option<u64>,
     open: bool,
     request_paused: bool,
     response_paused: Option<Response>,
-    held_ever: bool,
     /// The request as it goes on through the router (the plugin's header edits applied).
     headers: Headers,
     /// gRPC loopback edits of the response.
@@ -148,14 +170,16 @@ struct Req {
     flight: Option<usize>,
     /// The decision its filter state records (`Effect::Record`).
     record: Option<String>,
+    /// Its store told it its key was in progress or done (the tap).
+    pub knew: bool,
 }
 
 #[derive(Debug, Clone, Default)]
-struct Response {
-    status: u16,
-    headers: Headers,
-    body: Vec<u8>,
-    trailers: Headers,
+pub(super) struct Response {
+    pub status: u16,
+    pub headers: Headers,
+    pub body: Vec<u8>,
+    pub trailers: Headers,
     /// Envoy's own answer (connect failure, reset, timeout), not the upstream's.
     from_envoy: Option<&'static str>,
     /// The connection broke after the headers: no end.
@@ -163,7 +187,7 @@ struct Response {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FlightState {
+pub(super) enum FlightState {
     Running,
     /// Router: the client left; Envoy reset the call; its outcome is unknown.
     Orphaned,
@@ -174,55 +198,94 @@ enum FlightState {
     Fenced,
 }
 
-struct Flight {
-    req: usize,
-    key: KeyId,
-    vm: usize,
+pub(super) struct Flight {
+    pub req: usize,
+    pub key: KeyId,
+    pub variant: u64,
+    pub vm: usize,
     /// `Some(n)`: a detached call (`CallId::Upstream(n)`); `None`: the router's, on the
     /// request's stream.
-    call: Option<u64>,
-    loopback: bool,
-    claimed: bool,
-    fence: Option<u64>,
-    start: u64,
-    state: FlightState,
-    answer: Response,
+    pub call: Option<u64>,
+    pub loopback: bool,
+    /// The claim its VM made for it and learnt it made, by the store's history (it may have
+    /// been taken over since: a late owner's call).
+    pub claim: Option<Claim>,
+    pub fence: Option<u64>,
+    /// When it left Envoy.
+    pub sent: u64,
+    /// It reached the upstream, which did its work.
+    pub effect: bool,
+    /// Judged as an effect the plugin knew nothing of (`on_unavailable: "pass"`).
+    pub unprotected: bool,
+    pub state: FlightState,
+    pub answer: Response,
     /// Whether the upstream's answer completes the key (not released, not Envoy's own).
-    storable: bool,
+    pub storable: bool,
     latency: u64,
+    /// When its answer reached the VM that sent it.
+    pub answered_at: Option<u64>,
+}
+
+/// An etcd call in flight, as the network saw it.
+pub(super) struct StoreCall {
+    delivered: bool,
+    pub cluster: usize,
+    pub sent: u64,
+    timeout_at: u64,
+    /// A grant of the VM's lease.
+    grant: bool,
+}
+
+/// How a store call of a VM ended.
+pub(super) struct StoreOutcome {
+    pub vm: usize,
+    pub cluster: usize,
+    pub sent: u64,
+    pub ended: u64,
+    /// The event it ended in (the order within one millisecond).
+    pub seq: usize,
+    /// A lease grant.
+    pub grant: bool,
+    pub ok: bool,
 }
 
 pub struct World {
-    combo: Combo,
+    pub(super) combo: Combo,
     config: String,
     rng: Rng,
     queue: Queue<Ev>,
-    now: u64,
+    pub(super) now: u64,
     skews: Vec<u64>,
     kvs: Vec<Rc<MemoryKv>>,
-    vms: Vec<Vm>,
+    pub(super) vms: Vec<Vm>,
     /// Per Envoy, the VMs (roots) that take new streams.
     active: Vec<Vec<usize>>,
     etcd: Vec<Model>,
-    faults: Faults,
+    pub(super) faults: Faults,
     clients: Vec<Client>,
-    reqs: Vec<Req>,
+    pub(super) reqs: Vec<Req>,
     streams: BTreeMap<(usize, u32), usize>,
-    flights: Vec<Flight>,
-    /// etcd calls in flight by (VM, call): whether delivered.
-    store_calls: BTreeMap<(usize, u64), bool>,
+    pub(super) flights: Vec<Flight>,
+    pub(super) store_calls: BTreeMap<(usize, u64), StoreCall>,
+    /// Every store call that ended (answered, timed out, refused at dispatch).
+    pub(super) store_log: Vec<StoreOutcome>,
+    /// Detached calls Envoy refused to dispatch: VM, key, when.
+    pub(super) refused_upstream: Vec<(usize, KeyId, u64)>,
     /// etcd calls sent while a cluster was in trouble, by cluster.
     calls_in_trouble: Vec<u64>,
-    /// Each VM's transactions the network lost (either way): when, and on which etcd key.
-    /// Each cost that key's owner a timeout of waiting.
-    lost_calls: Vec<Vec<(u64, Vec<u8>)>>,
+    pub(super) history: History,
+    /// etcd: the cluster each key lives on, once seen.
+    pub(super) key_cluster: BTreeMap<KeyId, usize>,
     fence_max: BTreeMap<KeyId, u64>,
-    owned_until: BTreeMap<KeyId, u64>,
-    grace_ms: u64,
+    pub(super) grace_ms: u64,
     end_ms: Option<u64>,
-    check: Checker,
+    pub(super) check: Checker,
     trace: Option<Vec<String>>,
     events: usize,
+    /// The VM whose event runs now (the shared-data writes are its).
+    running_vm: Option<usize>,
+
+    pub(super) excuses: BTreeMap<&'static str, usize>,
 }
 
 impl World {
@@ -233,11 +296,22 @@ impl World {
             StoreKind::Etcd { clusters, .. } => clusters,
         };
         let envoys = if combo.is_etcd() { ENVOYS_ETCD } else { 1 };
-        let faults = Faults::draw(&mut rng, clusters, envoys, HORIZON_MS);
-        let config = combo.config_json();
-        let kvs: Vec<Rc<MemoryKv>> = (0..envoys).map(|_| Rc::new(MemoryKv::new())).collect();
+        let faults = Faults::draw(&mut rng, clusters, envoys, envoys * WORKERS, HORIZON_MS, LEASE_MS);
+        let config = combo.config_json(faults.etcd_timeout_ms);
+        let kvs: Vec<Rc<MemoryKv>> = (0..envoys).map(|_| Rc::new(MemoryKv::journaled())).collect();
         let skews = (0..envoys).map(|_| rng.range(0, 40)).collect();
-        let grace_ms = if combo.is_etcd() { 2 * ETCD_TIMEOUT_MS + 2 * faults.etcd_latency_max + 300 } else { 200 };
+        let grace_ms =
+            if combo.is_etcd() { 2 * faults.etcd_timeout_ms + 2 * faults.etcd_latency_max + 300 } else { 200 };
+        let history = History::new(Self::locators(&combo));
+        // Where each key lives: the cluster the plugin's placement picks (store/etcd/shards.rs).
+        let key_cluster = history
+            .locators()
+            .iter()
+            .map(|(key, _)| {
+                let seeds = (0..clusters).map(|i| crate::store::etcd::shards::seed_of(&format!("etcd{i}")));
+                (*key, crate::store::etcd::shards::shard_of(seeds, &Self::store_key(*key)))
+            })
+            .collect();
         let mut w = World {
             combo,
             config,
@@ -255,15 +329,19 @@ impl World {
             streams: BTreeMap::new(),
             flights: Vec::new(),
             store_calls: BTreeMap::new(),
+            store_log: Vec::new(),
+            refused_upstream: Vec::new(),
             calls_in_trouble: vec![0; clusters],
-            lost_calls: Vec::new(),
+            history,
+            key_cluster,
             fence_max: BTreeMap::new(),
-            owned_until: BTreeMap::new(),
             grace_ms,
             end_ms: None,
             check: Checker::default(),
             trace: trace.then(Vec::new),
             events: 0,
+            running_vm: None,
+            excuses: BTreeMap::new(),
         };
         for envoy in 0..envoys {
             for _ in 0..WORKERS {
@@ -287,6 +365,36 @@ impl World {
         w
     }
 
+    /// Where each simulated key lives in the stores, as the plugin names it (its store key
+    /// from the request's `:authority`, scope and key).
+    fn locators(combo: &Combo) -> Vec<(KeyId, Locator)> {
+        let config = Config::parse(combo.config_json(500).as_bytes()).ok();
+        let layout = config.map(|c| crate::table::Layout::new(&c.namespace, c.capacity, c.max_store_bytes));
+        let mut out = Vec::new();
+        for scope in 0..SCOPES {
+            for key in 0..KEYS {
+                let store_key = Self::store_key((scope, key));
+                let locator = match (combo.is_etcd(), &layout) {
+                    (true, _) => Locator::Etcd { name: crate::store::etcd::protocol::key_name("idem", &store_key.0) },
+                    (false, Some(layout)) => {
+                        let (bucket, tag) = layout.locate(&store_key);
+                        Locator::Bucket { name: layout.bucket_key(bucket), tag }
+                    }
+                    (false, None) => continue,
+                };
+                out.push(((scope, key), locator));
+            }
+        }
+        out
+    }
+
+    /// A simulated key's store key, as the plugin derives it from the request's `:authority`,
+    /// scope and key.
+    fn store_key((scope, key): KeyId) -> crate::key::StoreKey {
+        let authorization = format!("Bearer s{scope}");
+        crate::key::StoreKey::derive("idem", b"api", &[Some(authorization.as_bytes())], format!("k{key}").as_bytes())
+    }
+
     fn add_vm(&mut self, envoy: usize) {
         let config = match Config::parse(self.config.as_bytes()) {
             Ok(c) => c,
@@ -294,38 +402,66 @@ impl World {
         };
         let kv = self.kvs[envoy].clone();
         let rng = &mut self.rng;
-        let lifecycle = match crate::build::lifecycle(config, kv, &mut || rng.next()) {
+        let told = super::tap::Told::default();
+        let tap = |inner| Box::new(super::tap::Tap { inner, told: told.clone() }) as Box<dyn crate::store::Store>;
+        let lifecycle = match crate::build::lifecycle_wrapped(config, kv, &mut || rng.next(), tap) {
             Ok(l) => l,
             Err(e) => panic!("lifecycle: {e}"),
         };
         let tick_ms = lifecycle.tick_ms();
         let vm = self.vms.len();
         let first_tick = self.rng.range(1, tick_ms);
-        self.vms.push(Vm { envoy, lifecycle, next_id: 2, tick_ms, draining: false, finished: false });
+        self.vms.push(Vm { envoy, lifecycle, told, next_id: 2, tick_ms, draining: false, finished: false });
         self.active[envoy].push(vm);
+        if self.faults.stalls.len() <= vm {
+            self.faults.stalls.resize(vm + 1, Vec::new());
+        }
+
         self.queue.push(first_tick, Ev::Tick { vm });
     }
 
-    fn log(&mut self, line: impl FnOnce() -> String) {
+    pub(super) fn log(&mut self, line: impl FnOnce() -> String) {
         if let Some(trace) = &mut self.trace {
             trace.push(format!("{:>7} {}", self.now, line()));
         }
     }
 
-    /// The clock of the Envoy that runs `vm`: skewed, and stepped as the seed drew. It starts
-    /// at `CLOCK_BASE_MS` so that a step back never goes below zero.
-    fn clock(&self, vm: usize) -> u64 {
-        let envoy = self.vms[vm].envoy;
-        let stepped = (self.now + CLOCK_BASE_MS) as i64 + self.faults.stepped(envoy, self.now);
+    /// The clock of Envoy `envoy` at true time `at`: skewed, and stepped as the seed drew. It
+    /// starts at `CLOCK_BASE_MS` so that a step back never goes below zero.
+    pub(super) fn clock_of(&self, envoy: usize, at: u64) -> u64 {
+        let stepped = (at + CLOCK_BASE_MS) as i64 + self.faults.stepped(envoy, at);
         stepped as u64 + self.skews[envoy]
+    }
+
+    fn clock(&self, vm: usize) -> u64 {
+        self.clock_of(self.vms[vm].envoy, self.now)
+    }
+
+    /// The first true time at which Envoy `envoy`'s clock reads `value` or more.
+    pub(super) fn true_time(&self, envoy: usize, value: u64) -> u64 {
+        let mut bounds: Vec<u64> = vec![0];
+        bounds.extend(self.faults.steps.get(envoy).into_iter().flatten().map(|(at, _)| *at));
+        bounds.sort_unstable();
+        for (i, from) in bounds.iter().enumerate() {
+            let to = bounds.get(i + 1).copied().unwrap_or(u64::MAX);
+            let offset = CLOCK_BASE_MS as i64 + self.skews[envoy] as i64 + self.faults.stepped(envoy, *from);
+            let at = (value as i64 - offset).max(*from as i64) as u64;
+            if at < to {
+                return at;
+            }
+        }
+        u64::MAX
     }
 
     pub fn run(mut self) -> Report {
         let (etcd, pauses) = (format!("{:?}", self.faults.etcd), format!("{:?}", self.faults.pauses));
-        let steps = format!("{:?}", self.faults.steps);
+        let (steps, stalls) = (format!("{:?}", self.faults.steps), format!("{:?}", self.faults.stalls));
         let (latency, lost) = (self.faults.etcd_latency_max, (self.faults.lose_before, self.faults.lose_after));
+        let (timeout, refused, aim) = (self.faults.etcd_timeout_ms, self.faults.dispatch_fail, self.faults.aim);
         self.log(|| {
-            format!("faults: etcd {etcd}, latency up to {latency} ms, lost per mille {lost:?}, paused {pauses}, clock steps {steps}")
+            format!(
+                "faults: etcd {etcd}, timeout {timeout} ms, latency up to {latency} ms, lost per mille {lost:?}, dispatch refused per mille {refused}, aimed per mille {aim}, paused {pauses}, stalled {stalls}, clock steps {steps}"
+            )
         });
         let mut same_instant = 0;
         while let Some((at, ev)) = self.queue.pop() {
@@ -347,15 +483,21 @@ impl World {
                 break;
             }
             self.now = at;
-            if let Some(envoy) = ev.envoy(&self) {
-                if let Some(until) = self.faults.paused_until(envoy, at) {
+            if let Some((envoy, vm)) = ev.runs_in(&self) {
+                let until = match vm {
+                    Some(vm) => self.faults.halted_until(envoy, vm, at),
+                    None => self.faults.paused_until(envoy, at),
+                };
+                if let Some(until) = until {
                     self.queue.push(until, ev);
                     continue;
                 }
+                self.running_vm = vm;
             }
             self.events += 1;
             self.step(ev);
-            self.note_owned();
+            self.sync_shared_history();
+            self.running_vm = None;
             if self.end_ms.is_none() && self.traffic_over() {
                 self.end_ms = Some(self.now + DRAIN_MS);
             }
@@ -378,6 +520,7 @@ impl World {
     fn step(&mut self, ev: Ev) {
         match ev {
             Ev::Send { client } => self.send(client),
+            Ev::Deliver { req } => self.deliver(req),
             Ev::Leave { req } => self.leave(req),
             Ev::StreamDone { req } => self.stream_done(req),
             Ev::Tick { vm } => {
@@ -400,6 +543,15 @@ impl World {
                 self.carry_out(vm);
                 self.end_if_drained(vm);
             }
+            Ev::CallFailed { vm, call } => {
+                if self.root_gone(vm, "a refused call") {
+                    return;
+                }
+                let now = self.clock(vm);
+                self.vms[vm].lifecycle.on_call_failed(call, now);
+                self.carry_out(vm);
+                self.end_if_drained(vm);
+            }
             Ev::ConfigUpdate { envoy } => {
                 for vm in std::mem::take(&mut self.active[envoy]) {
                     self.log(|| format!("configuration update: vm {vm} drains"));
@@ -417,6 +569,7 @@ impl World {
 
     // --- clients -------------------------------------------------------------------------
 
+    /// A client sends a request: to a worker of an Envoy, which reads it when it runs.
     fn send(&mut self, client: usize) {
         let c = &mut self.clients[client];
         if c.attempts_left == 0 {
@@ -444,24 +597,26 @@ impl World {
         if self.rng.chance(200) {
             headers.push((FENCE_HEADER.into(), FORGED_FENCE.as_bytes().to_vec()));
         }
-        let body = format!("{{\"amount\":{}}}", 10 + variant).into_bytes();
         self.reqs.push(Req {
             client,
             key,
+            variant,
             vm,
             id,
             sent: self.now,
+            body_at: None,
+            body_seq: 0,
             state: ReqState::Waiting,
             answered_at: None,
             open: true,
             request_paused: false,
             response_paused: None,
-            held_ever: false,
-            headers: headers.clone(),
+            headers,
             set_headers: None,
             set_body: None,
             flight: None,
             record: None,
+            knew: false,
         });
         self.streams.insert((vm, id), r);
         if self.rng.chance(250) {
@@ -469,7 +624,39 @@ impl World {
             self.queue.push(at, Ev::Leave { req: r });
         }
         self.log(|| format!("client {client} sends req {r} key {key:?} v{variant} to vm {vm} stream {id}"));
-        let host = SimHost { now: self.clock(vm), request: headers, body, ..SimHost::default() };
+        match self.faults.halted_until(envoy, vm, self.now) {
+            Some(until) => self.queue.push(until, Ev::Deliver { req: r }),
+            None => {
+                self.running_vm = Some(vm);
+                self.deliver(r);
+            }
+        }
+    }
+
+    /// The request reaches its VM: headers, then the body.
+    fn deliver(&mut self, r: usize) {
+        if !self.reqs[r].open {
+            return;
+        }
+        if self.vms[self.reqs[r].vm].draining {
+            // Read after a configuration update: the new root takes it.
+            let envoy = self.vms[self.reqs[r].vm].envoy;
+            let roots = &self.active[envoy];
+            let vm = roots[self.rng.range(0, roots.len() as u64 - 1) as usize];
+            let id = self.vms[vm].next_id;
+            self.vms[vm].next_id += 1;
+            self.streams.remove(&(self.reqs[r].vm, self.reqs[r].id));
+            self.streams.insert((vm, id), r);
+            (self.reqs[r].vm, self.reqs[r].id) = (vm, id);
+            self.running_vm = Some(vm);
+        }
+        let (vm, id) = (self.reqs[r].vm, self.reqs[r].id);
+        self.reqs[r].body_at = Some(self.now);
+        self.reqs[r].body_seq = self.events;
+
+        let variant = self.reqs[r].variant;
+        let body = format!("{{\"amount\":{}}}", 10 + variant).into_bytes();
+        let host = SimHost { now: self.clock(vm), request: self.reqs[r].headers.clone(), body, ..SimHost::default() };
         let flow = self.vms[vm].lifecycle.on_request_headers(&host, id, false);
         self.carry_out(vm);
         if self.reqs[r].state != ReqState::Waiting || !self.reqs[r].open {
@@ -511,9 +698,9 @@ impl World {
             )
         });
         let late = self.now.saturating_sub(self.reqs[r].sent);
-        let envoy = self.vms[self.reqs[r].vm].envoy;
-        let paused: u64 = self.faults.pauses[envoy].iter().map(|(a, b)| b - a).sum();
-        if late > ANSWER_BOUND_MS + paused {
+        let vm = self.reqs[r].vm;
+        let halted = self.faults.halted_total(self.vms[vm].envoy, vm);
+        if late > ANSWER_BOUND_MS + halted {
             self.check.fail("answered_late", self.now, format!("req {r} answered after {late} ms"));
         }
         self.check_answer(r, key, &got);
@@ -542,7 +729,11 @@ impl World {
                 self.flights[f].state = FlightState::Orphaned; // Envoy resets the router's call
             }
         }
-        self.end_stream(r);
+        if self.reqs[r].body_at.is_some() {
+            self.end_stream(r);
+        } else {
+            self.reqs[r].open = false; // it never reached its VM
+        }
         self.retry_later(self.reqs[r].client);
     }
 
@@ -572,11 +763,17 @@ impl World {
     // --- effects, as the adapter carries them out ------------------------------------------
 
     fn carry_out(&mut self, vm: usize) {
+        self.sync_shared_history();
+        let told = std::mem::take(&mut *self.vms[vm].told.borrow_mut());
+        for id in told {
+            if let Some(r) = self.streams.get(&(vm, id)) {
+                self.reqs[*r].knew = true;
+            }
+        }
         let effects = self.vms[vm].lifecycle.take_effects();
         for effect in effects {
             self.effect(vm, effect);
         }
-        self.note_held(vm);
     }
 
     /// A stream the lifecycle acts on must be open.
@@ -635,9 +832,29 @@ impl World {
                 };
                 self.response_reaches_client(r, response);
             }
+            Effect::Dispatch { call, request } if self.rng.chance(self.faults.dispatch_fail) => {
+                self.log(|| format!("vm {vm}: Envoy refuses to dispatch {call:?}"));
+                match call {
+                    CallId::Store(_) => self.faults.refused.push((vm, self.now)),
+                    CallId::Upstream(_) => {
+                        if let Some(r) = sim_req(&request) {
+                            self.refused_upstream.push((vm, self.reqs[r].key, self.now));
+                        }
+                    }
+                }
+                if let CallId::Store(_) = call {
+                    self.note_refused(vm, &request);
+                }
+                self.queue.push(self.now, Ev::CallFailed { vm, call });
+            }
             Effect::Dispatch { call: CallId::Store(n), request } => self.etcd_send(vm, n, request),
             Effect::Dispatch { call: CallId::Upstream(n), request } => self.detached_send(vm, n, request),
-            Effect::WakeRoot => self.queue.push(self.now, Ev::Wake { vm }),
+            // The shared queue's callback is another event of the worker's loop: a pause or a
+            // stall may come between.
+            Effect::WakeRoot => {
+                let at = self.now + self.rng.range(0, 2);
+                self.queue.push(at, Ev::Wake { vm });
+            }
             Effect::Count { counter, n } => self.log(|| format!("vm {vm} counts {} +{n}", counter.name())),
             Effect::AddGauge { .. } | Effect::SetGauge { .. } => {}
             Effect::Record { stream, text } => {
@@ -699,59 +916,141 @@ impl World {
         })
     }
 
-    /// Which streams are held as duplicates now (wait mode).
-    fn note_held(&mut self, vm: usize) {
-        let open: Vec<usize> = self
-            .streams
-            .range((vm, 0)..=(vm, u32::MAX))
-            .map(|(_, r)| *r)
-            .filter(|r| self.reqs[*r].open && !self.reqs[*r].held_ever)
-            .collect();
-        for r in open {
-            if self.vms[vm].lifecycle.phase_name(self.reqs[r].id) == Some(PhaseName::Waiting) {
-                self.reqs[r].held_ever = true;
+    // --- what the stores held ------------------------------------------------------------
+
+    /// Reads what shared-data writes left for the simulated keys (their VM: the one whose
+    /// event runs).
+    fn sync_shared_history(&mut self) {
+        if self.combo.is_etcd() {
+            for kv in &self.kvs {
+                kv.take_journal(); // the local copies and the ledger: not the key's store
             }
+            return;
+        }
+        let Some(kv) = self.kvs.first().cloned() else { return };
+        let written = kv.take_journal();
+        if written.is_empty() {
+            return;
+        }
+        let locators: Vec<(KeyId, Locator)> = self.history.locators().to_vec();
+        for (key, locator) in locators {
+            let Locator::Bucket { name, tag } = locator else { continue };
+            if !written.contains(&name) {
+                continue;
+            }
+            let bytes = crate::table::SharedKv::get(&*kv, &name).ok().and_then(|(v, _)| v).unwrap_or_default();
+            let entry = bucket_entry(&bytes, &tag);
+            let mark = Mark { at: self.now, by_vm: self.running_vm, entry, revision: 0, acknowledged: true };
+            self.note_mark(key, mark);
         }
     }
 
-    /// Per key, until when something owns it (plus a grace for answers on their way).
-    fn note_owned(&mut self) {
-        let mut owned: Vec<(KeyId, u64)> = Vec::new();
-        for (vm, v) in self.vms.iter().enumerate() {
-            for id in v.lifecycle.work_streams() {
-                if let Some(r) = self.streams.get(&(vm, id)) {
-                    owned.push((self.reqs[*r].key, self.now + self.grace_ms));
-                }
-            }
-        }
-        for f in &self.flights {
-            if !f.claimed {
+    /// Reads what an etcd cluster holds for the simulated keys that live on it, after it
+    /// served a call of `vm` (`acknowledged`: its answer will reach `vm` in time).
+    fn sync_etcd_history(&mut self, cluster: usize, vm: usize, written: Option<&[u8]>, acknowledged: bool) {
+        let locators: Vec<(KeyId, Locator)> = self.history.locators().to_vec();
+        for (key, locator) in locators {
+            let Locator::Etcd { name } = locator else { continue };
+            if self.key_cluster.get(&key) != Some(&cluster) {
                 continue;
             }
-            match f.state {
-                FlightState::Running => owned.push((f.key, self.now + self.grace_ms)),
-                FlightState::Orphaned => owned.push((
-                    f.key,
-                    f.start.max(self.now.min(f.start + f.latency)) + LEASE_MS + self.grace_ms + 2 * LEASE_MS,
-                )),
-                _ => {}
-            }
+            let (entry, revision) = match self.etcd[cluster].get(&name) {
+                Some((value, revision)) => (decode_entry(value).ok().map(|(e, _)| e), revision),
+                None => (None, 0),
+            };
+            let ours = written == Some(name.as_slice());
+            let by_vm = ours.then_some(vm);
+            let mark = Mark { at: self.now, by_vm, entry, revision, acknowledged: !ours || acknowledged };
+            self.note_mark(key, mark);
         }
-        for (key, until) in owned {
-            let e = self.owned_until.entry(key).or_insert(0);
-            *e = (*e).max(until);
+    }
+
+    /// Records a key's new state; a new claim may draw a pause aimed at its deadline.
+    fn note_mark(&mut self, key: KeyId, mark: Mark) {
+        let before = self.history.at(key, self.now).and_then(Mark::in_progress);
+        let changed = self.history.marks(key).len();
+        self.history.note(key, mark);
+        if self.history.marks(key).len() > changed {
+            let view = mark.entry.map(|e| (e.state, e.gen, e.deadline_ms));
+            self.log(|| format!("store: key {key:?} holds {view:?} (vm {:?}, revision {})", mark.by_vm, mark.revision));
         }
+        self.check_overwrite(key, before, &mark);
+        let (Some(gen), Some(vm)) = (mark.in_progress(), mark.by_vm) else { return };
+        if before != Some(gen) {
+            self.log(|| format!("store: key {key:?} claimed by vm {vm} (token {gen})"));
+            self.aim_pause(vm, mark.entry.map_or(0, |e| e.deadline_ms));
+        }
+    }
+
+    // --- faults aimed at deadlines -------------------------------------------------------
+
+    /// After a claim, now and then: its VM stops from a moment within its lease until just
+    /// after its mark's deadline (a pause of its Envoy in a fleet, a stall of its worker).
+    fn aim_pause(&mut self, vm: usize, deadline: u64) {
+        if self.faults.aim == 0 || !self.rng.chance(self.faults.aim / 3) {
+            return;
+        }
+        let envoy = self.vms[vm].envoy;
+        let judge = (envoy + 1) % self.kvs.len();
+        // Now and then right after the claim, before the root sends the call it queued.
+        let from = self.now + if self.rng.chance(300) { 1 } else { self.rng.range(0, LEASE_MS / 2) };
+        let to = self.true_time(judge, deadline) + self.rng.range(1, 300);
+        if to <= from {
+            return;
+        }
+        if self.kvs.len() > 1 && self.rng.chance(500) {
+            self.faults.pauses[envoy].push((from, to));
+            self.log(|| format!("aimed: envoy {envoy} paused {from}..{to}"));
+        } else {
+            self.faults.stalls[vm].push((from, to));
+            self.log(|| format!("aimed: vm {vm} stalled {from}..{to}"));
+        }
+    }
+
+    /// When an owner's ending becomes due, now and then: its cluster is in trouble until just
+    /// before its mark's deadline (up to one timeout before it).
+    fn aim_window(&mut self, f: usize) {
+        let Some(claim) = self.flights[f].claim else { return };
+        let key = self.flights[f].key;
+        let Some(&cluster) = self.key_cluster.get(&key) else { return };
+        if self.faults.aim == 0 || !self.rng.chance(self.faults.aim) || self.faults.trouble(cluster, self.now).is_some()
+        {
+            return;
+        }
+        let Some(deadline) = self.history.last_deadline(key, claim.gen, self.now + 1).and_then(|m| m.entry) else {
+            return;
+        };
+        let judge = (self.vms[self.flights[f].vm].envoy + 1) % self.kvs.len();
+        let before = self.rng.range(0, self.faults.etcd_timeout_ms);
+        let to = self.true_time(judge, deadline.deadline_ms).saturating_sub(before);
+        if to <= self.now + 20 {
+            return;
+        }
+        let kinds = [Trouble::Hung, Trouble::Stalled, Trouble::Down, Trouble::NoLeader, Trouble::NoSpace];
+        let trouble = self.rng.pick(&kinds).unwrap_or(Trouble::Hung);
+        self.faults.etcd[cluster].push(Window { from: self.now, to, trouble });
+        let from = self.now;
+        self.log(|| format!("aimed: etcd cluster {cluster} {trouble:?} {from}..{to}"));
     }
 
     // --- etcd ------------------------------------------------------------------------------
 
     fn etcd_send(&mut self, vm: usize, call: u64, request: CallRequest) {
         let cluster = request.cluster.strip_prefix("etcd").and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);
-        self.store_calls.insert((vm, call), false);
-        if let crate::store::CallKind::Grpc { method, .. } = &request.kind {
-            self.log(|| format!("vm {vm} etcd call {call}: {method}"));
-        }
         let timeout = request.timeout_ms.max(1);
+        if let Some((method, name)) = Model::request_key(&request) {
+            if let Some(key) = self.key_named(&name) {
+                self.log(|| format!("vm {vm} etcd call {call}: {method} of key {key:?}"));
+            }
+        }
+        let record = StoreCall {
+            delivered: false,
+            cluster,
+            sent: self.now,
+            timeout_at: self.now + timeout,
+            grant: is_grant(&request),
+        };
+        self.store_calls.insert((vm, call), record);
         let timeout_answer = crate::store::etcd::grpc::status_answer(4, "upstream request timeout");
         self.queue.push(self.now + timeout, Ev::EtcdAnswer { vm, call, answer: timeout_answer });
         let trouble = self.faults.trouble(cluster, self.now);
@@ -767,7 +1066,7 @@ impl World {
         }
         if self.rng.chance(self.faults.lose_before) {
             self.log(|| format!("etcd call {call} of vm {vm} lost on its way"));
-            self.note_lost(vm, &request);
+            self.faults.lost.push((vm, cluster, self.now));
             return;
         }
         let mut at = self.now + self.rng.range(1, self.faults.etcd_latency_max);
@@ -777,63 +1076,95 @@ impl World {
         self.queue.push(at, Ev::EtcdArrive { cluster, vm, call, request });
     }
 
-    fn note_lost(&mut self, vm: usize, request: &CallRequest) {
-        let Some(key) = crate::store::etcd::model::Model::txn_key(request) else { return };
-        if self.lost_calls.len() <= vm {
-            self.lost_calls.resize(vm + 1, Vec::new());
-        }
-        self.lost_calls[vm].push((self.now, key));
+    /// The simulated key an etcd key name stands for.
+    fn key_named(&self, name: &[u8]) -> Option<KeyId> {
+        self.history
+            .locators()
+            .iter()
+            .find(|(_, l)| matches!(l, Locator::Etcd { name: n } if n == name))
+            .map(|(k, _)| *k)
     }
 
-    /// The etcd key of a simulated key, as the plugin names it (its store key from the
-    /// request's `:authority`, scope and key).
-    fn etcd_key(key: KeyId) -> Vec<u8> {
-        let scope = format!("Bearer s{}", key.0);
-        let store_key =
-            crate::key::StoreKey::derive("idem", b"api", &[Some(scope.as_bytes())], format!("k{}", key.1).as_bytes());
-        crate::store::etcd::protocol::key_name("idem", &store_key.0)
+    /// A store call Envoy refused to dispatch.
+    fn note_refused(&mut self, vm: usize, request: &CallRequest) {
+        let cluster = request.cluster.strip_prefix("etcd").and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);
+        let grant = is_grant(request);
+        self.store_log.push(StoreOutcome {
+            vm,
+            cluster,
+            sent: self.now,
+            ended: self.now,
+            seq: self.events,
+            grant,
+            ok: false,
+        });
     }
 
     fn etcd_arrive(&mut self, cluster: usize, vm: usize, call: u64, request: CallRequest) {
-        let trouble = self.faults.trouble(cluster, self.now).map(|w| w.trouble);
-        if trouble == Some(Trouble::Down) {
-            let refused = crate::store::etcd::grpc::status_answer(14, "upstream connect error");
-            self.queue.push(self.now + 1, Ev::EtcdAnswer { vm, call, answer: refused });
-            return;
-        }
-        if let Some(w) = self.faults.trouble(cluster, self.now).filter(|w| w.trouble == Trouble::NoLeader) {
-            if self.rng.chance(500) {
-                self.queue.push(w.to, Ev::EtcdArrive { cluster, vm, call, request });
-            // commits later
-            } else {
-                let failed = crate::store::etcd::grpc::status_answer(14, "etcdserver: no leader");
-                let at = self.now + self.rng.range(1, (w.to - self.now).clamp(1, 1_000));
-                self.queue.push(at, Ev::EtcdAnswer { vm, call, answer: failed });
+        let trouble = self.faults.trouble(cluster, self.now);
+        match trouble.map(|w| w.trouble) {
+            Some(Trouble::Down) => {
+                let refused = crate::store::etcd::grpc::status_answer(14, "upstream connect error");
+                self.queue.push(self.now + 1, Ev::EtcdAnswer { vm, call, answer: refused });
+                return;
             }
-            return;
+            Some(Trouble::NoLeader) => {
+                let w = trouble.unwrap_or(Window { from: 0, to: 0, trouble: Trouble::NoLeader });
+                if self.rng.chance(500) {
+                    self.queue.push(w.to, Ev::EtcdArrive { cluster, vm, call, request });
+                // commits later
+                } else {
+                    let failed = crate::store::etcd::grpc::status_answer(14, "etcdserver: no leader");
+                    let at = self.now + self.rng.range(1, (w.to - self.now).clamp(1, 1_000));
+                    self.queue.push(at, Ev::EtcdAnswer { vm, call, answer: failed });
+                }
+                return;
+            }
+            Some(Trouble::Hung) => {
+                let w = trouble.unwrap_or(Window { from: 0, to: 0, trouble: Trouble::Hung });
+                if self.rng.chance(500) {
+                    self.queue.push(w.to, Ev::EtcdArrive { cluster, vm, call, request });
+                // commits later
+                } else {
+                    self.log(|| format!("etcd call {call} of vm {vm} hangs, never answered"));
+                    self.faults.lost.push((vm, cluster, self.now));
+                }
+                return;
+            }
+            _ => {}
         }
         let model = &mut self.etcd[cluster];
-        model.no_space = trouble == Some(Trouble::NoSpace);
+        model.no_space = trouble.is_some_and(|w| w.trouble == Trouble::NoSpace);
         let answer = model.handle(&request, self.now);
         model.no_space = false;
-        if self.rng.chance(self.faults.lose_after) {
+        let written = Model::request_key(&request).filter(|(m, _)| *m == "Txn").map(|(_, k)| k);
+        let lost = self.rng.chance(self.faults.lose_after);
+        let at = self.now + self.rng.range(1, self.faults.etcd_latency_max);
+        let timeout_at = self.store_calls.get(&(vm, call)).map_or(0, |c| c.timeout_at);
+        let ok = crate::store::etcd::grpc::grpc_status(&answer) == Some(0);
+        self.sync_etcd_history(cluster, vm, written.as_deref().filter(|_| ok), !lost && at < timeout_at);
+        if lost {
             self.log(|| format!("etcd call {call} of vm {vm} applied, its answer lost"));
-            self.note_lost(vm, &request);
+            self.faults.lost.push((vm, cluster, self.store_calls.get(&(vm, call)).map_or(self.now, |c| c.sent)));
             return;
         }
-        let at = self.now + self.rng.range(1, self.faults.etcd_latency_max);
         self.queue.push(at, Ev::EtcdAnswer { vm, call, answer });
     }
 
     fn etcd_deliver(&mut self, vm: usize, call: u64, answer: CallAnswer) {
-        match self.store_calls.get_mut(&(vm, call)) {
-            Some(delivered) if !*delivered => *delivered = true,
-            _ => return,
+        let Some(record) = self.store_calls.get_mut(&(vm, call)) else { return };
+        if record.delivered {
+            return;
         }
+        record.delivered = true;
+        let (cluster, sent) = (record.cluster, record.sent);
+        let grant = record.grant;
         if self.root_gone(vm, "an etcd answer") {
             return;
         }
         let status = crate::store::etcd::grpc::grpc_status(&answer);
+        let ok = status == Some(0);
+        self.store_log.push(StoreOutcome { vm, cluster, sent, ended: self.now, seq: self.events, grant, ok });
         self.log(|| format!("vm {vm} etcd call {call} answered: grpc-status {status:?}"));
         let now = self.clock(vm);
         crate::test_driver::deliver_store_answer(&mut self.vms[vm].lifecycle, CallId::Store(call), &answer, now);
@@ -853,59 +1184,60 @@ impl World {
 
     /// The request goes on through Envoy's router.
     fn forward_by_router(&mut self, r: usize) {
-        let (vm, id) = (self.reqs[r].vm, self.reqs[r].id);
-        let phase = self.vms[vm].lifecycle.phase_name(id);
-        let loopback = phase == Some(PhaseName::GrpcReplay);
-        let claimed = phase == Some(PhaseName::Owner);
+        let vm = self.reqs[r].vm;
         let headers = self.reqs[r].headers.clone();
-        self.new_flight(r, vm, None, loopback, claimed, &headers);
+        let loopback = header(&headers, ":path") == Some(crate::grpc::REPLAY_PATH.as_bytes());
+        self.new_flight(r, vm, None, loopback, &headers);
     }
 
     fn detached_send(&mut self, vm: usize, n: u64, request: CallRequest) {
         let CallKind::Http { headers } = &request.kind else { return };
         let pairs: Headers =
             headers.iter().map(|(n, v)| (String::from_utf8_lossy(n).into_owned(), v.to_vec())).collect();
-        let r = pairs
-            .iter()
-            .find(|(n, _)| n == "x-sim-req")
-            .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<usize>().ok());
-        let Some(r) = r else {
+        let Some(r) = sim_req(&request) else {
             self.check.fail("answer_crossed", self.now, "a detached call without its request".into());
             return;
         };
-        let claimed = self.vms[vm].lifecycle.call_owner(n).flatten().is_some();
-        self.new_flight(r, vm, Some(n), false, claimed, &pairs);
+        self.new_flight(r, vm, Some(n), false, &pairs);
     }
 
-    fn new_flight(&mut self, r: usize, vm: usize, call: Option<u64>, loopback: bool, claimed: bool, headers: &Headers) {
-        let fence = headers.iter().find(|(n, _)| n == FENCE_HEADER).map(|(_, v)| v.clone());
+    fn new_flight(&mut self, r: usize, vm: usize, call: Option<u64>, loopback: bool, headers: &Headers) {
+        self.sync_shared_history();
+        let fence = header(headers, FENCE_HEADER).map(<[u8]>::to_vec);
         if self.combo.fencing && fence.as_deref() == Some(FORGED_FENCE.as_bytes()) {
             self.check.fail("forged_fence_passed", self.now, format!("req {r}"));
         }
         let fence = fence.and_then(|v| String::from_utf8(v).ok()?.parse::<u64>().ok());
         let f = self.flights.len();
-        let key = self.reqs[r].key;
+        let (key, variant) = (self.reqs[r].key, self.reqs[r].variant);
+        let from = self.reqs[r].body_at.unwrap_or(self.reqs[r].sent);
+        let claim = if loopback { None } else { self.history.claim_by(key, vm, from, self.now) };
         self.flights.push(Flight {
             req: r,
             key,
+            variant,
             vm,
             call,
             loopback,
-            claimed,
+            claim,
             fence,
-            start: self.now,
+            sent: self.now,
+            effect: false,
+            unprotected: false,
             state: FlightState::Running,
             answer: Response::default(),
             storable: false,
             latency: 0,
+            answered_at: None,
         });
         if call.is_none() {
             self.reqs[r].flight = Some(f);
         }
         self.log(|| {
             format!(
-                "flight {f}: req {r} upstream ({}, claimed {claimed}, fence {fence:?}, loopback {loopback})",
-                if call.is_some() { "detached" } else { "router" }
+                "flight {f}: req {r} upstream ({}, claim {:?}, fence {fence:?}, loopback {loopback})",
+                if call.is_some() { "detached" } else { "router" },
+                claim.map(|c| c.gen)
             )
         });
         let at = self.now + self.rng.range(0, 3);
@@ -933,37 +1265,23 @@ impl World {
             return;
         }
         let key = self.flights[f].key;
-        if self.combo.fencing {
-            let (claimed, fence) = (self.flights[f].claimed, self.flights[f].fence);
-            match (claimed, fence) {
-                (true, None) => self.check.fail("fence_missing", self.now, format!("flight {f}")),
-                (false, Some(_)) => {
-                    self.check.fail("fence_missing", self.now, format!("flight {f}: a token on an unclaimed request"))
-                }
-                _ => {}
+        let protected = self.judge_fence(f);
+        if let (true, Some(token)) = (self.combo.fencing, self.flights[f].fence) {
+            let max = self.fence_max.entry(key).or_insert(0);
+            if token <= *max {
+                self.flights[f].state = FlightState::Fenced;
+                self.flights[f].answer = plain(409, b"fenced: a newer claim ran".to_vec());
+                self.queue.push(self.now + 1, Ev::UpstreamAnswer { flight: f });
+                return;
             }
-            if let Some(token) = fence {
-                let reused =
-                    self.flights.iter().enumerate().any(|(g, o)| g != f && o.key == key && o.fence == Some(token));
-                if reused {
-                    self.check.fail("fence_reused", self.now, format!("flight {f} token {token}"));
-                }
-                let max = self.fence_max.entry(key).or_insert(0);
-                if token <= *max {
-                    self.flights[f].state = FlightState::Fenced;
-                    self.flights[f].answer = plain(409, b"fenced: a newer claim ran".to_vec());
-                    self.queue.push(self.now + 1, Ev::UpstreamAnswer { flight: f });
-                    return;
-                }
-                *max = token;
-            }
+            *max = token;
         }
-        self.check_effect(f);
+        self.flights[f].effect = true;
+        self.judge_effect(f, protected);
         let (answer, storable, latency) = self.plan(f);
         self.flights[f].answer = answer;
         self.flights[f].latency = latency;
-        let storable_now = storable;
-        self.log(|| format!("flight {f} effect on key {key:?}; answers in {latency} ms (storable {storable_now})"));
+        self.log(|| format!("flight {f} effect on key {key:?}; answers in {latency} ms (storable {storable})"));
         self.queue.push(self.now + latency, Ev::UpstreamAnswer { flight: f });
         self.flights[f].storable = storable;
     }
@@ -1058,6 +1376,10 @@ impl World {
             FlightState::Running => self.flights[f].state = FlightState::Done { storable },
             FlightState::Fenced => {}
             _ => return,
+        }
+        self.flights[f].answered_at = Some(self.now);
+        if self.combo.is_etcd() && self.flights[f].effect {
+            self.aim_window(f);
         }
         let r = self.flights[f].req;
         let vm = self.flights[f].vm;
@@ -1155,123 +1477,6 @@ impl World {
         self.queue.push(self.now, Ev::StreamDone { req: r });
     }
 
-    // --- checks --------------------------------------------------------------------------
-
-    /// The upstream is about to do flight `f`'s work: may it?
-    fn check_effect(&mut self, f: usize) {
-        let (key, claimed, r) = (self.flights[f].key, self.flights[f].claimed, self.flights[f].req);
-        let held = self.reqs[r].held_ever;
-        for (g, other) in self.flights.iter().enumerate() {
-            if g == f || other.key != key || other.loopback || !other.claimed {
-                continue;
-            }
-            let blocking = match other.state {
-                FlightState::Running => true,
-                FlightState::Done { storable } => storable,
-                FlightState::Orphaned | FlightState::Fenced => false,
-            };
-            if !blocking {
-                continue;
-            }
-            // From the other's request: its claim may have waited for a paused worker.
-            let envoy = self.vms[other.vm].envoy;
-            let since = self.reqs[other.req].sent;
-            // Each of the owner VM's calls lost meanwhile cost it a timeout of waiting.
-            let etcd_key = Self::etcd_key(key);
-            let lost = self.lost_calls.get(other.vm).map_or(0, |calls| {
-                calls.iter().filter(|(t, k)| (since..=self.now).contains(t) && *k == etcd_key).count()
-            });
-            if self.faults.may_lose_lease(envoy, since, self.now, LEASE_MS, lost as u64 * ETCD_TIMEOUT_MS) {
-                continue;
-            }
-            if !claimed && !held {
-                continue; // on_unavailable "pass": a request the plugin knew nothing of
-            }
-            let invariant = if !claimed && held { "held_duplicate_forwarded" } else { "duplicate_effect" };
-            let detail = format!(
-                "flight {f} (req {r}, claimed {claimed}, held {held}) runs key {key:?} while flight {g} (req {}) is {:?}",
-                other.req, other.state
-            );
-            self.check.fail(invariant, self.now, detail);
-            return;
-        }
-    }
-
-    /// Whether one of these flights' clients had its whole answer before `sent`.
-    fn answered_before(&self, flights: &[usize], sent: u64) -> bool {
-        flights.iter().any(|g| {
-            let req = self.flights.get(*g).and_then(|o| self.reqs.get(o.req));
-            req.and_then(|q| q.answered_at).is_some_and(|at| at < sent)
-        })
-    }
-
-    fn check_answer(&mut self, r: usize, key: KeyId, got: &Got) {
-        let done: Vec<usize> = (0..self.flights.len())
-            .filter(|g| {
-                let o = &self.flights[*g];
-                o.key == key && !o.loopback && matches!(o.state, FlightState::Done { storable: true })
-            })
-            .collect();
-        let tag = parse_tag(&got.body);
-        if got.replayed && got.problem.is_none() {
-            let matches = |w: &World, g: usize| {
-                let o = &w.flights[g];
-                let same_grpc = crate::grpc::status_of(
-                    o.answer.headers.iter().chain(o.answer.trailers.iter()).map(|(n, v)| (n.as_str(), v.as_slice())),
-                ) == got.grpc;
-                same_grpc && (o.answer.status == got.status || w.combo.is_grpc())
-            };
-            if got.grpc == Some(crate::grpc::FAILED_PRECONDITION) && self.combo.is_grpc() {
-                // Not replayable over gRPC without the loopback: a completed call must exist.
-                if done.is_empty() {
-                    self.check.fail("completed_without_completion", self.now, format!("req {r}: {got:?}"));
-                }
-                return;
-            }
-            match tag {
-                Some((g, scope, k)) if (scope, k) != key => {
-                    self.check.fail("cross_scope", self.now, format!("req {r} of {key:?} got flight {g}'s answer"));
-                }
-                Some((g, _, _)) if done.contains(&g) && matches(self, g) => {}
-                _ if got.body.is_empty()
-                    && got.grpc.is_some_and(|c| c != 0)
-                    && done.iter().any(|g| matches(self, *g)) => {}
-                _ => {
-                    let detail = format!("req {r} of {key:?} replayed {got:?}; completed flights {done:?}");
-                    self.check.fail("replay_differs", self.now, detail);
-                }
-            }
-            return;
-        }
-        if let Some((g, _, _)) = tag.filter(|_| got.problem.is_none()) {
-            if self.flights.get(g).is_none_or(|o| o.req != r) {
-                self.check.fail("answer_crossed", self.now, format!("req {r} got flight {g}'s answer"));
-            }
-        }
-        match got.problem {
-            Some("response-not-stored") if done.is_empty() => {
-                self.check.fail("completed_without_completion", self.now, format!("req {r} of {key:?}"));
-            }
-            // A full write budget refuses new keys only: a key whose first call had its answer
-            // before this one was sent replays (unless a fault may have kept its completion out
-            // of etcd). A call still completing may not have its claim in etcd when this one reads.
-            Some("share-full")
-                if self.answered_before(&done, self.reqs[r].sent) && !self.faults.any_between(0, self.now) =>
-            {
-                self.check.fail("share_full_for_a_stored_key", self.now, format!("req {r} of {key:?}"));
-            }
-            Some("in-progress") => {
-                let owned = self.owned_until.get(&key).copied().unwrap_or(0);
-                let from = self.now.saturating_sub(LEASE_MS + 2 * self.grace_ms);
-                if owned < self.now && !self.faults.any_between(from, self.now) {
-                    let detail = format!("req {r}: 409 for {key:?}, owned until {owned}");
-                    self.check.fail("locked_without_owner", self.now, detail);
-                }
-            }
-            _ => {}
-        }
-    }
-
     fn finish(mut self) -> Report {
         for r in 0..self.reqs.len() {
             if self.reqs[r].state == ReqState::Waiting {
@@ -1310,12 +1515,29 @@ impl World {
         Report {
             requests: self.reqs.len(),
             etcd,
-            effects: self.flights.iter().filter(|f| !f.loopback && f.state != FlightState::Fenced).count(),
+            effects: self.flights.iter().filter(|f| f.effect).count(),
             events: self.events,
             violations: self.check.violations,
+            excuses: self.excuses,
             trace: self.trace.unwrap_or_default(),
         }
     }
+}
+
+/// A grant of a VM's lease (its marks ride it), not a retention lease (hours long).
+fn is_grant(request: &CallRequest) -> bool {
+    use prost::Message;
+    matches!(request.kind, CallKind::Grpc { method: "LeaseGrant", .. })
+        && crate::store::etcd::grpc::pb::LeaseGrantRequest::decode(request.body.as_slice()).is_ok_and(|g| g.ttl < 60)
+}
+
+fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a [u8]> {
+    headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
+}
+
+/// The simulated request a detached call carries (its `x-sim-req` header).
+fn sim_req(request: &CallRequest) -> Option<usize> {
+    std::str::from_utf8(request.header("x-sim-req")?.as_bytes()).ok()?.parse().ok()
 }
 
 fn plain(status: u16, body: Vec<u8>) -> Response {
@@ -1331,7 +1553,7 @@ fn plain(status: u16, body: Vec<u8>) -> Response {
 }
 
 /// `eff:<flight>;s<scope>;k<key>;` in an answer's body.
-fn parse_tag(body: &[u8]) -> Option<(usize, u64, u64)> {
+pub(super) fn parse_tag(body: &[u8]) -> Option<(usize, u64, u64)> {
     let text = String::from_utf8_lossy(body);
     let start = text.find("eff:")?;
     let mut parts = text.get(start + 4..)?.split(';');

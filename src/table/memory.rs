@@ -15,11 +15,28 @@ struct Inner {
     values: HashMap<String, (Vec<u8>, u32)>,
     /// One counter for the whole map, bumped by every write, as in Envoy.
     last_cas: u32,
+    /// The keys written since the journal was last taken, when it is kept (the simulator
+    /// reads what each write left).
+    journal: Option<Vec<String>>,
 }
 
 impl MemoryKv {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A map that keeps a journal of the keys written ([`MemoryKv::take_journal`]).
+    pub fn journaled() -> Self {
+        let kv = Self::default();
+        if let Ok(mut inner) = kv.inner.lock() {
+            inner.journal = Some(Vec::new());
+        }
+        kv
+    }
+
+    /// The keys written since the last call, in order.
+    pub fn take_journal(&self) -> Vec<String> {
+        self.inner.lock().ok().and_then(|mut i| i.journal.as_mut().map(std::mem::take)).unwrap_or_default()
     }
 
     /// Number of keys ever created (they cannot be deleted).
@@ -53,6 +70,9 @@ impl SharedKv for MemoryKv {
         inner.last_cas = inner.last_cas.wrapping_add(1).max(1);
         let next = inner.last_cas;
         inner.values.insert(key.to_string(), (value.to_vec(), next));
+        if let Some(journal) = &mut inner.journal {
+            journal.push(key.to_string());
+        }
         Ok(())
     }
 }
