@@ -92,7 +92,9 @@ impl World {
         let usable = (2 * LEASE_MS).max(6_000) - LEASE_MS - 1_000;
         let envoy = self.vms[flight.vm].envoy;
         let now = self.clock_of(envoy, flight.sent);
-        let leased = calls.clone().any(|o| o.grant && o.ok && self.clock_of(envoy, o.sent) + usable > now);
+        let leased = calls
+            .clone()
+            .any(|o| o.grant && o.ok && o.ended <= flight.sent && self.clock_of(envoy, o.sent) + usable > now);
         failed_meanwhile || failing_before || !leased
     }
 
@@ -155,7 +157,7 @@ impl World {
         let deadline = self.history.last_deadline(key, c.gen, end.at + 1).and_then(|m| m.entry).map(|e| e.deadline_ms);
         let owner = self.vms[self.flights[f].vm].envoy;
         let believed = deadline.is_some_and(|d| self.clock_of(owner, sent) < d);
-        if believed && self.expired(key, c, &end, None) {
+        if believed && self.expired(key, c, &end) {
             self.excuse("late_owner");
             return Ok(());
         }
@@ -194,7 +196,7 @@ impl World {
             self.excuse("released");
             return Ok(());
         }
-        if !self.expired(key, earlier, &end, Some(later)) {
+        if !self.expired(key, earlier, &end) {
             return Err(format!("its mark went at {} before its deadline ({end:?})", end.at));
         }
         if flight.state == FlightState::Orphaned {
@@ -211,21 +213,29 @@ impl World {
     }
 
     /// Whether claim `c`'s mark had expired when `end` replaced or removed it, by the clock
-    /// of the Envoy that did. A mark etcd dropped with its lease is judged by the Envoy of the
-    /// claim that came `next`, when it came: had it found the mark, would it have taken it?
-    fn expired(&self, key: KeyId, c: Claim, end: &Mark, next: Option<Claim>) -> bool {
+    /// of the Envoy that did. A mark etcd dropped with its lease is judged by its owner's
+    /// clock (it keeps its lease to outlive its deadline by that clock), unless that clock was
+    /// stepped back while the lease was in use (it then used the lease too long: a fault).
+    fn expired(&self, key: KeyId, c: Claim, end: &Mark) -> bool {
         let Some(last) = self.history.last_deadline(key, c.gen, end.at + 1).and_then(|m| m.entry) else {
             return false;
         };
         let owner = c.by_vm.map_or(0, |vm| self.vms[vm].envoy);
-        let (judge, at) = match (end.by_vm, next) {
-            (Some(vm), _) => (self.vms[vm].envoy, end.at),
-            (None, Some(next)) => (next.by_vm.map_or(owner, |vm| self.vms[vm].envoy), next.at),
-            (None, None) => (owner, end.at),
+        let Some(vm) = end.by_vm else {
+            let lease_life = (2 * LEASE_MS).max(6_000);
+            let stepped_back = self
+                .faults
+                .steps
+                .get(owner)
+                .into_iter()
+                .flatten()
+                .any(|(at, by)| *by < 0 && c.at.saturating_sub(lease_life) <= *at && *at <= end.at);
+            return stepped_back || self.clock_of(owner, end.at) >= last.deadline_ms;
         };
         // The taker read the mark before it wrote: its clock may have been stepped back since.
-        let read_at = at.saturating_sub(2 * self.faults.etcd_timeout_ms + 2 * self.faults.etcd_latency_max);
-        let clock = self.clock_of(judge, at).max(self.clock_of(judge, read_at));
+        let judge = self.vms[vm].envoy;
+        let read_at = end.at.saturating_sub(2 * self.faults.etcd_timeout_ms + 2 * self.faults.etcd_latency_max);
+        let clock = self.clock_of(judge, end.at).max(self.clock_of(judge, read_at));
         clock >= last.deadline_ms
     }
 
@@ -272,7 +282,7 @@ impl World {
                 if owner != Some(vm) {
                     let claim = self.history.claim(key, gen);
                     let end = *mark;
-                    if claim.is_some_and(|c| !self.expired(key, c, &end, None)) {
+                    if claim.is_some_and(|c| !self.expired(key, c, &end)) {
                         let detail = format!("vm {vm} removed key {key:?}'s live mark {gen} (owner vm {owner:?})");
                         self.check.fail("mark_removed_early", self.now, detail);
                     }
@@ -321,7 +331,7 @@ impl World {
                 self.check.fail("share_full_for_a_stored_key", self.now, format!("req {r} of {key:?}"));
             }
             Some("in-progress") => {
-                if let Err(why) = self.held_by_someone(key, from) {
+                if let Err(why) = self.held_by_someone(key, from, self.reqs[r].vm) {
                     self.check.fail("locked_without_owner", self.now, format!("req {r}: 409 for {key:?}: {why}"));
                 }
             }
@@ -361,11 +371,15 @@ impl World {
     /// A 409 "in progress" for `key`, read at some moment since `from` (the read's answer may
     /// wait for a stalled VM): the store held a mark of it, and its owner was at work then (its
     /// call running, answered lately, orphaned, on its way), or faults held it up, or it never
-    /// learnt it held the key.
-    fn held_by_someone(&self, key: KeyId, from: u64) -> Result<(), String> {
+    /// learnt it held the key. A VM answers a retry of its own claim without reading the
+    /// store (shared data): its last claim of the key counts too.
+    fn held_by_someone(&self, key: KeyId, from: u64, vm: usize) -> Result<(), String> {
         let mut gens: Vec<u64> = Vec::new();
         if let Some(gen) = self.history.at(key, from).and_then(Mark::in_progress) {
             gens.push(gen);
+        }
+        if let Some(own) = self.history.claim_by(key, vm, 0, self.now) {
+            gens.push(own.gen);
         }
         for m in self.history.marks(key).iter().filter(|m| from < m.at && m.at <= self.now) {
             if let Some(gen) = m.in_progress() {

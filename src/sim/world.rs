@@ -271,7 +271,7 @@ pub struct World {
     pub(super) store_log: Vec<StoreOutcome>,
     /// Detached calls Envoy refused to dispatch: VM, key, when.
     pub(super) refused_upstream: Vec<(usize, KeyId, u64)>,
-    /// etcd calls sent while a cluster was in trouble, by cluster.
+    /// etcd calls sent while a cluster failed (down, stopped, leaderless, hung), by cluster.
     calls_in_trouble: Vec<u64>,
     pub(super) history: History,
     /// etcd: the cluster each key lives on, once seen.
@@ -1054,7 +1054,8 @@ impl World {
         let timeout_answer = crate::store::etcd::grpc::status_answer(4, "upstream request timeout");
         self.queue.push(self.now + timeout, Ev::EtcdAnswer { vm, call, answer: timeout_answer });
         let trouble = self.faults.trouble(cluster, self.now);
-        if trouble.is_some() {
+        // Out of space, etcd still serves reads: only the windows where it fails count.
+        if trouble.is_some_and(|w| w.trouble != Trouble::NoSpace) {
             if let Some(n) = self.calls_in_trouble.get_mut(cluster) {
                 *n += 1;
             }
@@ -1133,11 +1134,15 @@ impl World {
             }
             _ => {}
         }
+        // Leases that ended went with time, not with this call.
+        self.etcd[cluster].expire(self.now);
+        self.sync_etcd_history(cluster, vm, None, true);
         let model = &mut self.etcd[cluster];
         model.no_space = trouble.is_some_and(|w| w.trouble == Trouble::NoSpace);
         let answer = model.handle(&request, self.now);
         model.no_space = false;
-        let written = Model::request_key(&request).filter(|(m, _)| *m == "Txn").map(|(_, k)| k);
+        let written =
+            Model::request_key(&request).filter(|(m, _)| *m == "Txn" && Model::succeeded(&answer)).map(|(_, k)| k);
         let lost = self.rng.chance(self.faults.lose_after);
         let at = self.now + self.rng.range(1, self.faults.etcd_latency_max);
         let timeout_at = self.store_calls.get(&(vm, call)).map_or(0, |c| c.timeout_at);

@@ -498,7 +498,7 @@ impl EtcdStore {
             let fresh =
                 self.retention.get(&retention_s).is_some_and(|(_, until)| now + slack_s(retention_s) * 500 < *until);
             if !fresh {
-                self.grant_retention(retention_s, now);
+                self.grant_retention(retention_s, 0, now);
             }
         }
         if self.lease.is_none_or(|l| now >= l.rotate_at_ms) {
@@ -519,13 +519,17 @@ impl EtcdStore {
     }
 
     /// Asks for a retention lease, unless one is on its way or the background backoff holds (a
-    /// refused grant is not re-sent at once, whoever wants the lease).
-    fn grant_retention(&mut self, retention_s: u64, now: u64) {
-        if !self.background.ready(now) || !self.retention_pending.insert(retention_s) {
+    /// refused grant is not re-sent at once, whoever wants the lease). `need_by_ms` (0: nothing
+    /// waits) as for [`Self::send_by`]: a completion whose mark would expire first cuts the
+    /// backoff short, as a renewal waiting for the VM's lease does.
+    fn grant_retention(&mut self, retention_s: u64, need_by_ms: u64, now: u64) {
+        let ready = self.background.ready(now)
+            || self.background.ready_by(now, need_by_ms, self.link.timeout_ms, self.late_ms());
+        if !ready || !self.retention_pending.insert(retention_s) {
             return;
         }
         let request = Request::Grant { ttl_s: retention_s + slack_s(retention_s) };
-        if !self.send(request, Op::GrantRetention(retention_s), now) {
+        if !self.send_by(request, Op::GrantRetention(retention_s), need_by_ms, now) {
             self.retention_pending.remove(&retention_s);
         }
     }

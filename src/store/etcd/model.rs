@@ -119,7 +119,13 @@ impl Model {
         self.kvs.get(key).and_then(|e| self.leases.get(&e.lease)).copied()
     }
 
-    fn expire(&mut self, now: u64) {
+    /// Whether a transaction's answer says its compare held (its success branch ran).
+    pub fn succeeded(answer: &CallAnswer) -> bool {
+        pb::TxnResponse::decode(answer.body.as_slice()).is_ok_and(|r| r.succeeded)
+    }
+
+    /// Drops the keys of the leases that ended by `now` (etcd does so as time passes).
+    pub fn expire(&mut self, now: u64) {
         let dead: Vec<i64> = self.leases.iter().filter(|(_, at)| **at <= now).map(|(id, _)| *id).collect();
         for id in dead {
             self.leases.remove(&id);

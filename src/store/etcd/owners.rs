@@ -179,7 +179,8 @@ impl EtcdStore {
                 let usable = self.retention.get(&retention_s).filter(|(_, until)| now < *until).map(|(l, _)| *l);
                 let Some(lease) = usable else {
                     // Completed entries ride a retention lease: get one first.
-                    self.grant_retention(retention_s, now);
+                    let need_by_ms = o.entry.deadline_ms;
+                    self.grant_retention(retention_s, need_by_ms, now);
                     return;
                 };
                 let state = if response.is_some() { State::Completed } else { State::CompletedNoBody };
