@@ -19,7 +19,7 @@ use super::history::{Claim, KeyId, Mark};
 use super::net::longest_clear;
 use super::world::{FlightState, Got, World};
 use super::LEASE_MS;
-use crate::store::etcd::protocol::BACKOFF_MIN_MS;
+use crate::store::etcd::protocol::{BACKOFF_MAX_MS, BACKOFF_MIN_MS};
 use crate::store::etcd::HEDGE_MS;
 
 /// A margin for the world's own jitter (ticks drawn 0–3 ms late, the upstream 0–3 ms away).
@@ -250,25 +250,31 @@ impl World {
         let deadline = last.entry?.deadline_ms;
         let busy = self.faults.impaired(envoy, vm, cluster);
         let tick = self.vms[vm].lifecycle_tick_ms();
-        let (from, needed) = match cluster {
+        // Stretches of time, each with how long a clear stretch within it must be for a write.
+        let windows: Vec<(u64, u64, u64)> = match cluster {
             // Renewals every quarter lease, asked each sixteenth, from the timer: a clear
             // stretch that long renews the mark (shared data answers at once).
-            None => (last.at, LEASE_MS / 4 + LEASE_MS / 16 + tick + MARGIN_MS),
-            // In the last timeout before its deadline (by its own clock) an owner's write is
-            // urgent: it goes after the shortest backoff, or beside a try that hangs; it may
-            // need a lease first: two round trips.
+            None => vec![(last.at, end.at, LEASE_MS / 4 + LEASE_MS / 16 + tick + MARGIN_MS)],
+            // From one timeout before its deadline to one lease after it (by its own clock) an
+            // owner's write is urgent: it goes after the shortest backoff, or beside a try that
+            // hangs; it may need a lease first: two round trips. Then on its backoff only.
             Some(_) => {
                 let urgent_from = self.true_time(envoy, deadline.saturating_sub(self.faults.etcd_timeout_ms));
+                let urgent_to = self.true_time(envoy, deadline.saturating_add(LEASE_MS));
                 let round_trip = 2 * self.faults.etcd_latency_max;
-                (urgent_from.max(last.at), tick + BACKOFF_MIN_MS.max(HEDGE_MS) + 2 * round_trip + MARGIN_MS)
+                let urgent = tick + BACKOFF_MIN_MS.max(HEDGE_MS) + 2 * round_trip + MARGIN_MS;
+                let calm = tick + BACKOFF_MAX_MS + 2 * round_trip + MARGIN_MS;
+                vec![(urgent_from.max(last.at), urgent_to.min(end.at), urgent), (urgent_to, end.at, calm)]
             }
         };
-        let clear = longest_clear(busy, from, end.at);
-        (clear >= needed).then(|| {
-            format!(
-                "vm {vm} was clear for {clear} ms of {from}..{} (needs {needed}); flight {g} answered at {:?}",
-                end.at, self.flights[g].answered_at
-            )
+        windows.into_iter().filter(|(from, to, _)| from < to).find_map(|(from, to, needed)| {
+            let clear = longest_clear(busy.clone(), from, to);
+            (clear >= needed).then(|| {
+                format!(
+                    "vm {vm} was clear for {clear} ms of {from}..{to} (needs {needed}); flight {g} answered at {:?}",
+                    self.flights[g].answered_at
+                )
+            })
         })
     }
 
