@@ -1091,3 +1091,67 @@ fn a_completion_waiting_for_a_retention_lease_gets_one_before_its_mark_expires()
         );
     }
 }
+
+/// Defect (the simulator, SEED=1019): a renewal applied late (its answer lost) moved the key's
+/// revision on; the next renewal failed its compare, read back our own mark and adopted it, but
+/// did not renew: the mark kept the late write's older deadline and expired under a running
+/// call. Now it renews again at once, with the revision it read.
+#[test]
+fn a_renewal_that_finds_an_earlier_one_of_ours_applied_renews_again() {
+    let (mut s, mut m) = (store(1), Model::new());
+    let owner = claimed(&mut s, &mut m, "k", 0);
+    let key = m.keys().into_iter().find(|k| k.starts_with(b"/t/")).unwrap();
+    let deadline = |m: &Model| crate::encoding::decode_entry(&m.value(&key).unwrap()).unwrap().0.deadline_ms;
+    // The first renewal is applied, its answer lost.
+    s.renew(owner, LEASE, 2_500);
+    let (n, request) = next_txn(&mut s, &mut m, 2_500);
+    m.handle(&request, 2_500);
+    s.on_call_answer(n, &timed_out(), 3_500);
+    assert_eq!(deadline(&m), 12_500);
+    // Tried again (with the revision it last knew): the compare fails on our own mark.
+    let mut t = 3_500;
+    let (n, request) = 'sent: loop {
+        t += 10;
+        assert!(t < 10_000, "the renewal was never tried again");
+        s.tick(t);
+        while let Some((n, request)) = s.poll_call() {
+            if matches!(request.kind, CallKind::Grpc { method: "Txn", .. }) {
+                break 'sent (n, request);
+            }
+            let answer = m.handle(&request, t);
+            s.on_call_answer(n, &answer, t);
+        }
+    };
+    let answer = m.handle(&request, t);
+    s.on_call_answer(n, &answer, t);
+    assert_eq!(deadline(&m), 12_500, "the compare failed: nothing written");
+    // It renews again at once, with the revision it read back.
+    let (n, request) = next_txn(&mut s, &mut m, t);
+    let answer = m.handle(&request, t);
+    s.on_call_answer(n, &answer, t);
+    assert_eq!(deadline(&m), t + LEASE, "renewed from now");
+}
+
+/// Defect (the simulator, SEED=1155): a claim answered so late that it must be verified first,
+/// with no usable VM lease to verify it with, was answered unavailable and its mark left to
+/// lock the key until it expired. Now the mark is removed (only ours: by its value).
+#[test]
+fn a_late_claim_that_cannot_be_verified_is_cleaned_up() {
+    let mut s = EtcdStore::new(Link::grpc("etcd", 500), "t", 3_000, vec![RETENTION / 1000], 1);
+    let mut m = Model::new();
+    s.tick(0);
+    run(&mut s, &mut m, 0);
+    s.begin(For::Stream(1), &Claim { lease_ms: 3_000, ..claim("k") }, 100);
+    let (n, request) = next_txn(&mut s, &mut m, 100);
+    let answer = m.handle(&request, 100);
+    // The answer arrives at 2,800: the mark expires at 3,100, and the VM lease granted at 0
+    // (6 s) is no longer usable for a mark of 3 s.
+    s.on_call_answer(n, &answer, 2_800);
+    assert!(matches!(began(&mut s), Began::Unavailable));
+    assert!(m.keys().iter().any(|k| k.starts_with(b"/t/")), "the claim was applied");
+    for t in (2_800..6_000u64).step_by(50) {
+        s.tick(t);
+        run(&mut s, &mut m, t);
+    }
+    assert!(m.keys().iter().all(|k| !k.starts_with(b"/t/")), "the late claim's mark is still there");
+}
