@@ -1,9 +1,26 @@
 //! Bytes a worker buffers for requests in flight (docs/behaviour.md §3.8, `max_buffered_bytes`): captures
 //! of router-mode answers and the bodies of held duplicates share one total per worker. A
 //! [`Reservation`] gives its bytes back when it is dropped, however its request ends.
+//!
+//! The total is shared per caller (docs/behaviour.md §3.4): no caller holds more than half of
+//! it, so one caller running it out is refused itself, and the others keep the other half.
+//! Callers this worker has not seen claim twice ([`Known`]) count as one: a new identity per
+//! request is not a fresh half.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+
+use crate::caller::Caller;
+use crate::ids::IdMap;
+
+/// Who a share is counted for: a known caller's tag, or every caller not known, together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Group(u32);
+
+impl Group {
+    /// The callers this worker does not know, together.
+    pub const UNKNOWN: Group = Group(u32::MAX);
+}
 
 #[derive(Clone, Debug)]
 pub struct Budget(Rc<Inner>);
@@ -12,16 +29,18 @@ pub struct Budget(Rc<Inner>);
 struct Inner {
     used: Cell<usize>,
     limit: usize,
+    /// Bytes held per group.
+    held: RefCell<IdMap<u32, usize>>,
 }
 
 impl Budget {
     pub fn new(limit: usize) -> Budget {
-        Budget(Rc::new(Inner { used: Cell::new(0), limit }))
+        Budget(Rc::new(Inner { used: Cell::new(0), limit, held: RefCell::new(IdMap::default()) }))
     }
 
-    /// `bytes` more, if they fit under the limit.
-    pub fn reserve(&self, bytes: usize) -> Option<Reservation> {
-        let mut r = Reservation { budget: self.clone(), bytes: 0 };
+    /// `bytes` more for `group`, if they fit under the limit and its share.
+    pub fn reserve(&self, group: Group, bytes: usize) -> Option<Reservation> {
+        let mut r = Reservation { budget: self.clone(), group, bytes: 0 };
         r.grow(bytes).then_some(r)
     }
 
@@ -30,24 +49,34 @@ impl Budget {
     }
 }
 
+/// Whether `group`, holding `held` of a resource of `limit` in all (`used` taken), may take
+/// `more`: within the limit, and at most half of it (at least one unit).
+pub fn fits(used: usize, held: usize, more: usize, limit: usize) -> bool {
+    let share = (limit / 2).max(1).min(limit);
+    used.checked_add(more).is_some_and(|t| t <= limit) && held.checked_add(more).is_some_and(|h| h <= share)
+}
+
 #[derive(Debug)]
 pub struct Reservation {
     budget: Budget,
+    group: Group,
     bytes: usize,
 }
 
 impl Reservation {
-    /// Takes `more` bytes; `false` (and nothing taken) when they do not fit.
+    /// Takes `more` bytes; `false` (and nothing taken) when they do not fit the limit or the
+    /// group's share.
     pub fn grow(&mut self, more: usize) -> bool {
         let inner = &self.budget.0;
-        match inner.used.get().checked_add(more) {
-            Some(total) if total <= inner.limit => {
-                inner.used.set(total);
-                self.bytes += more;
-                true
-            }
-            _ => false,
+        let mut held = inner.held.borrow_mut();
+        let mine = held.get(&self.group.0).copied().unwrap_or(0);
+        if !fits(inner.used.get(), mine, more, inner.limit) {
+            return false;
         }
+        inner.used.set(inner.used.get() + more);
+        held.insert(self.group.0, mine + more);
+        self.bytes += more;
+        true
     }
 
     pub fn bytes(&self) -> usize {
@@ -57,8 +86,52 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let used = &self.budget.0.used;
-        used.set(used.get().saturating_sub(self.bytes));
+        let inner = &self.budget.0;
+        inner.used.set(inner.used.get().saturating_sub(self.bytes));
+        let mut held = inner.held.borrow_mut();
+        let left = held.get(&self.group.0).copied().unwrap_or(0).saturating_sub(self.bytes);
+        if left == 0 {
+            held.remove(&self.group.0);
+        } else {
+            held.insert(self.group.0, left);
+        }
+    }
+}
+
+/// The callers a worker has seen claim twice lately: a direct-mapped table of `SLOTS` tags
+/// (a tag that meets another's slot takes it), so it is bounded whatever callers pass.
+#[derive(Debug)]
+pub struct Known {
+    slots: Vec<(u32, u8)>,
+}
+
+const SLOTS: usize = 1_024;
+
+impl Default for Known {
+    fn default() -> Self {
+        Known { slots: vec![(0, 0); SLOTS] }
+    }
+}
+
+impl Known {
+    /// `caller` claimed a key.
+    pub fn claimed(&mut self, caller: Caller) {
+        let tag = caller.bits() as u32;
+        if let Some(slot) = self.slots.get_mut(tag as usize % SLOTS) {
+            *slot = match *slot {
+                (t, n) if t == tag => (t, n.saturating_add(1)),
+                _ => (tag, 1),
+            };
+        }
+    }
+
+    /// The group `caller`'s shares count in.
+    pub fn group(&self, caller: Caller) -> Group {
+        let tag = caller.bits() as u32;
+        match self.slots.get(tag as usize % SLOTS) {
+            Some((t, n)) if *t == tag && *n >= 2 => Group(tag),
+            _ => Group::UNKNOWN,
+        }
     }
 }
 
@@ -66,19 +139,60 @@ impl Drop for Reservation {
 mod tests {
     use super::*;
 
+    const A: Group = Group(1);
+    const B: Group = Group(2);
+
     #[test]
     fn reservations_share_one_limit_and_give_back_on_drop() {
         let budget = Budget::new(100);
-        let mut a = budget.reserve(60).unwrap();
-        assert!(budget.reserve(50).is_none());
-        let b = budget.reserve(40).unwrap();
-        assert!(!a.grow(1), "full");
-        assert_eq!(budget.used(), 100);
+        let mut a = budget.reserve(A, 40).unwrap();
+        let b = budget.reserve(B, 50).unwrap();
+        assert!(budget.reserve(Group::UNKNOWN, 20).is_none(), "over the limit");
+        assert!(!a.grow(11), "full");
+        assert_eq!(budget.used(), 90);
         drop(b);
-        assert!(a.grow(30));
-        assert_eq!((a.bytes(), budget.used()), (90, 90));
+        assert!(a.grow(10));
+        assert_eq!((a.bytes(), budget.used()), (50, 50));
         drop(a);
         assert_eq!(budget.used(), 0);
-        assert!(budget.reserve(usize::MAX).is_none());
+        assert!(budget.reserve(A, usize::MAX).is_none());
+    }
+
+    /// One caller running the buffer out is refused itself: it holds at most half, and the
+    /// others keep the rest.
+    #[test]
+    fn no_group_holds_more_than_half() {
+        let budget = Budget::new(100);
+        let held: Vec<Reservation> = (0..10).filter_map(|_| budget.reserve(A, 10)).collect();
+        assert_eq!(held.len(), 5, "a half for the first caller");
+        assert!(budget.reserve(A, 1).is_none());
+        assert!(budget.reserve(B, 50).is_some(), "the other half for the others");
+    }
+
+    /// A new identity per request: every caller this worker has not seen claim twice is one
+    /// group.
+    #[test]
+    fn callers_not_seen_twice_share_one_half() {
+        let mut known = Known::default();
+        let (alice, bob) = (Caller::from_bits(7), Caller::from_bits(9));
+        known.claimed(alice);
+        assert_eq!(known.group(alice), Group::UNKNOWN, "seen once");
+        known.claimed(alice);
+        assert_eq!(known.group(alice), Group(7));
+        let budget = Budget::new(100);
+        let invented: Vec<Reservation> =
+            (100..200u64).filter_map(|n| budget.reserve(known.group(Caller::from_bits(n)), 10)).collect();
+        assert_eq!(invented.len(), 5, "a hundred identities, one half");
+        assert!(budget.reserve(known.group(alice), 50).is_some(), "the known caller keeps its half");
+        assert_eq!(known.group(bob), Group::UNKNOWN);
+    }
+
+    #[test]
+    fn a_share_fits_within_the_limit_and_at_most_half_of_it() {
+        assert!(fits(0, 0, 50, 100) && !fits(0, 0, 51, 100));
+        assert!(fits(99, 0, 1, 100) && !fits(100, 0, 1, 100));
+        assert!(fits(0, 0, 1, 1), "a limit of one still admits one");
+        assert!(!fits(0, 0, 1, 0));
+        assert!(!fits(usize::MAX, 0, 1, usize::MAX));
     }
 }

@@ -40,7 +40,7 @@ pub fn lifecycle_wrapped<K: SharedKv + Clone + 'static>(
     let store: Box<dyn Store> = match &config.store {
         StoreConfig::SharedData => {
             let layout = Layout::new(&config.namespace, config.capacity, config.max_store_bytes);
-            let table = Table::new(kv, layout);
+            let table = Table::new(kv, layout).with_window(config.min_retention_s.saturating_mul(1000));
             // The base VM runs this first: it creates the table; workers find it.
             if table.create().map_err(|e| format!("cannot create the table in shared data: {e:?}"))? {
                 log::info!(

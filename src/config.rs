@@ -179,6 +179,9 @@ pub struct Config {
     pub capacity: usize,
     /// Bytes of stored responses the shared-data table holds at most.
     pub max_store_bytes: u64,
+    /// The replay window every stored answer gets whatever other callers do (docs/behaviour.md
+    /// §3.4): no completed entry younger than this is evicted; a new key is refused instead.
+    pub min_retention_s: u64,
     pub max_waiters: usize,
     /// Bytes each worker buffers for requests in flight: router-mode captures of answers and
     /// the bodies of held duplicates.
@@ -220,7 +223,11 @@ impl Default for Policy {
             retry_after_s: 1,
             on_conflict: OnConflict::Reject,
             wait_max_ms: 5_000,
-            release_statuses: StatusSet { ranges: vec![(500, 599), (408, 408), (425, 425), (429, 429)] },
+            // 401, 403 and 407 say the caller was not let in: nothing ran, and storing them would
+            // let invented identities fill the store (docs/behaviour.md §2).
+            release_statuses: StatusSet {
+                ranges: vec![(500, 599), (401, 401), (403, 403), (407, 408), (425, 425), (429, 429)],
+            },
             // The server-side failures (docs/behaviour.md §3.10): UNKNOWN, DEADLINE_EXCEEDED,
             // RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE, DATA_LOSS.
             release_grpc_statuses: [2, 4, 8, 13, 14, 15].iter().fold(0, |set, code| set | 1 << code),
@@ -241,6 +248,7 @@ impl Default for Config {
             observe: false,
             capacity: 65_536,
             max_store_bytes: 128 << 20,
+            min_retention_s: DEFAULT_MIN_RETENTION_S,
             max_waiters: 1_024,
             max_buffered_bytes: 16 << 20,
             replay_cache_bytes: 256 << 10,
@@ -283,6 +291,10 @@ const MIN_LEASE_MS: u64 = 1_000;
 const FIRST_MIN_LEASE_MS: u64 = 100;
 const MIN_ETCD_LEASE_MS: u64 = 3_000;
 const MAX_RETENTION_S: u64 = 30 * 24 * 3600;
+/// The replay window by default: the retry schedules of common clients end within it (AWS
+/// SDKs' standard mode: 3 attempts, backoff up to 20 s; Stripe's: up to 8 s; gRPC's usual
+/// retry policies: backoff up to 10–30 s; docs/configuration.md).
+pub const DEFAULT_MIN_RETENTION_S: u64 = 60;
 const MAX_BODY: u64 = 64 << 20;
 const MAX_CAPACITY: u64 = 1 << 22;
 const MAX_STORE_BYTES: u64 = 64 << 30;
@@ -322,6 +334,7 @@ impl Config {
                 }
                 "capacity" => c.capacity = int(f, v, 1, MAX_CAPACITY)? as usize,
                 "max_store_bytes" => c.max_store_bytes = int(f, v, 0, MAX_STORE_BYTES)?,
+                "min_retention_s" => c.min_retention_s = int(f, v, 0, MAX_RETENTION_S)?,
                 "max_waiters" => c.max_waiters = int(f, v, 0, 1 << 20)? as usize,
                 "max_buffered_bytes" => c.max_buffered_bytes = int(f, v, 0, 1 << 30)? as usize,
                 "replay_cache_bytes" => c.replay_cache_bytes = int(f, v, 0, 64 << 20)? as usize,
@@ -927,10 +940,10 @@ mod tests {
     #[test]
     fn default_release_statuses_follow_the_spec() {
         let s = Config::default().policy.release_statuses;
-        for code in [500, 503, 599, 408, 425, 429] {
+        for code in [500, 503, 599, 401, 403, 407, 408, 425, 429] {
             assert!(s.contains(code), "{code}");
         }
-        for code in [200, 201, 400, 404, 409, 422, 600] {
+        for code in [200, 201, 400, 402, 404, 405, 406, 409, 422, 600] {
             assert!(!s.contains(code), "{code}");
         }
     }

@@ -30,7 +30,7 @@ pub fn key(data: &[u8]) {
 /// A store value: decode it as a bucket and as a response; plant it in a table and use it.
 pub fn entry(data: &[u8]) {
     if let Ok(bucket) = Bucket::decode(data.to_vec()) {
-        let _ = decide(&bucket, &[0; 16], &Fingerprint::default(), crate::caller::Caller::ANONYMOUS, 1);
+        let _ = decide(&bucket, &[0; 16], &Fingerprint::default(), crate::caller::Caller::ANONYMOUS, 1, 60_000);
     }
     if let Ok((gen, key, response)) = StoredResponse::decode(data.to_vec()) {
         assert_eq!(response_stamp(data).ok(), Some((gen, key)));

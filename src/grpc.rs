@@ -78,7 +78,7 @@ impl GrpcAnswer {
             (409, _) => FAILED_PRECONDITION, // completed, its response not stored
             (400 | 422, _) => INVALID_ARGUMENT,
             (401, _) => UNAUTHENTICATED,
-            (413 | 429, _) => RESOURCE_EXHAUSTED,
+            (413 | 429, _) | (503, "store-full") => RESOURCE_EXHAUSTED,
             (500, _) => INTERNAL,
             _ => UNAVAILABLE, // store full or unavailable, upstream gone: no work done
         };
@@ -258,7 +258,7 @@ mod tests {
             (Problem::missing_key("idempotency-key"), INVALID_ARGUMENT),
             (Problem::invalid_key("bad".into()), INVALID_ARGUMENT),
             (Problem::body_too_large(10), RESOURCE_EXHAUSTED),
-            (Problem::store_full(1), UNAVAILABLE),
+            (Problem::store_full(1), RESOURCE_EXHAUSTED),
             (Problem::store_unavailable(1), UNAVAILABLE),
             (Problem::upstream_failed(502, "reset", 1), UNAVAILABLE),
             (Problem::completed_without_response(), FAILED_PRECONDITION),
@@ -268,7 +268,9 @@ mod tests {
         for (p, code) in cases {
             let a = GrpcAnswer::for_problem(&p);
             assert_eq!(a.code, code, "{p:?}");
-            assert!(a.metadata.is_empty(), "only ABORTED carries a pushback: {p:?}");
+            // A retryable refusal carries its pushback: a full store says when room frees up.
+            let pushback = a.metadata.iter().any(|(n, _)| n == "grpc-retry-pushback-ms");
+            assert_eq!(pushback, p.slug() == "store-full", "only ABORTED and a full store carry a pushback: {p:?}");
         }
     }
 

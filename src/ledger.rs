@@ -130,14 +130,25 @@ impl Ledger {
     }
 
     /// Within `budget`, every caller adds new keys. Past it, a caller that wrote at least an
-    /// even share of the budget (among the callers that wrote lately, `others` as one) is
-    /// refused; the others go on. The caller that wrote the most always has at least that.
+    /// even share of the budget is refused; the others go on. The writers are the heavy
+    /// callers, one by one, and the light ones together as one (those that wrote less than a
+    /// `4 × TRACKED`th of the budget, with `others`): an established caller keeps its own
+    /// account, and a swarm of new identities, one per request, shares one; a caller not
+    /// tracked is judged with it (docs/behaviour.md §3.4, §3.13). The writer that wrote the
+    /// most always has at least an even share.
     pub fn verdict(&self, caller: Caller, budget: u64) -> bool {
         if self.total() < budget {
             return true;
         }
-        let writers = self.callers.len() as u64 + u64::from(sum(&self.others) > 0);
-        self.of(caller).saturating_mul(writers.max(1)) < budget
+        let light = (budget / (4 * TRACKED as u64)).max(1);
+        let rows = || self.callers.iter().map(|(c, s)| (*c, sum(s)));
+        let swarm = rows().filter(|(_, b)| *b < light).fold(sum(&self.others), |a, (_, b)| a.saturating_add(b));
+        let writers = rows().filter(|(_, b)| *b >= light).count() as u64 + u64::from(swarm > 0);
+        let written = match rows().find(|(c, _)| *c == caller) {
+            Some((_, b)) if b >= light => b,
+            _ => swarm,
+        };
+        written.saturating_mul(writers.max(1)) < budget
     }
 
     /// How many period boundaries must pass before `caller` is admitted, if nobody writes
@@ -264,6 +275,30 @@ mod tests {
         assert!(l.verdict(c(2), 1_000), "110 of an even share of 500: goes on");
         assert!(l.verdict(c(3), 1_000), "a new caller goes on");
         assert_eq!(l.heaviest(), Some((c(1), 900)));
+    }
+
+    /// Defect (a review of identities): a caller the ledger did not track had written nothing,
+    /// so a flood under a new identity per request was always admitted and filled etcd. The
+    /// untracked are judged together, as `others`; an established caller keeps its account.
+    #[test]
+    fn a_flood_of_invented_identities_is_judged_as_one_writer() {
+        let budget = 100_000;
+        let mut l = Ledger::default();
+        l.charge(c(1), 5_000); // an established caller
+        let mut admitted = 0;
+        for n in 0..2_000u64 {
+            let identity = c(10_000 + n);
+            if l.verdict(identity, budget) {
+                admitted += 1;
+                l.charge(identity, 200);
+            }
+        }
+        // Up to the budget, then the untracked are refused together.
+        assert!(admitted <= budget / 200 + 1, "{admitted} new identities admitted");
+        assert!(l.total() <= budget + 200, "{} bytes written", l.total());
+        assert!(!l.verdict(c(99_999), budget), "a new identity is judged with the others");
+        assert!(l.verdict(c(1), budget), "the established caller's new keys go on");
+        assert_eq!(l.of(c(1)), 5_000, "and it is still tracked");
     }
 
     #[test]

@@ -118,7 +118,7 @@ impl Problem {
             503,
             "store-full",
             "The idempotency store is full",
-            "Every entry of this key's part of the store is a request in progress; no work was done.".into(),
+            "Every entry of this key's part of the store is a request in progress or an answer kept for its replay window (min_retention_s); no work was done.".into(),
             Some(retry_after_s),
         )
     }

@@ -64,6 +64,7 @@ impl<S: Store> Lifecycle<S> {
             next_poll_ms: 0,
             polling: false,
             _buffered: None,
+            group: crate::budget::Group::UNKNOWN,
         });
         let mut lazy = LazyOutbound { host: Some(host), parts: Some((headers, body)) };
         if let Some(note) = self.note_mut(id) {
@@ -144,6 +145,7 @@ impl<S: Store> Lifecycle<S> {
         }
         match began {
             Began::Claimed { owner, takeover, change, leased_ms } => {
+                self.known.claimed(held.caller);
                 self.count(Counter::Claimed);
                 if takeover {
                     self.count(Counter::ExpiredTakeover);
@@ -169,7 +171,7 @@ impl<S: Store> Lifecycle<S> {
             }
             Began::CompletedWithoutBody => self.refuse(id, Counter::Conflict, Problem::completed_without_response()),
             Began::Mismatch => self.refuse(id, Counter::FingerprintMismatch, Problem::fingerprint_mismatch()),
-            Began::Full => self.refuse(id, Counter::StoreFull, Problem::store_full(retry_after_s)),
+            Began::Full { retry_after_s } => self.refuse(id, Counter::StoreFull, Problem::store_full(retry_after_s)),
             Began::OverShare { retry_after_s } => {
                 self.refuse(id, Counter::ShareFull, Problem::share_full(retry_after_s))
             }
@@ -252,17 +254,27 @@ impl<S: Store> Lifecycle<S> {
         }
         let p = self.config.clone();
         let p = p.policy(policy);
-        if p.on_conflict == OnConflict::Wait && self.waiting < self.config.max_waiters {
+        // A caller (callers not known, together) holds at most half the wait slots and half
+        // the buffer: one caller running them out gets its 409 itself.
+        let group = self.known.group(held.caller);
+        let slots = crate::budget::fits(
+            self.waiting,
+            self.waiting_by.get(&group).copied().unwrap_or(0),
+            1,
+            self.config.max_waiters,
+        );
+        if p.on_conflict == OnConflict::Wait && slots {
             let outbound = held.outbound.take().or_else(|| lazy.take());
             // A held body counts against the worker's buffer budget; past it, 409 at once.
             let reserved = match &outbound {
-                Some(o) => self.buffered.reserve(o.body.len()).map(Some),
+                Some(o) => self.buffered.reserve(group, o.body.len()).map(Some),
                 None => Some(None),
             };
             if let Some(reservation) = reserved {
                 self.count(Counter::Waited);
                 held.outbound = outbound;
                 held._buffered = reservation;
+                held.group = group;
                 held.wait_deadline_ms = Some(now.saturating_add(p.wait_max_ms));
                 held.next_poll_ms = now.saturating_add(self.store.wait_poll_ms());
                 self.set_phase(id, Phase::Waiting(held));
@@ -352,7 +364,7 @@ pub(super) fn describe(began: &Began) -> String {
         Began::Replay(r) => format!("replay of {}", r.status()),
         Began::CompletedWithoutBody => "completed without stored response: 409".into(),
         Began::Mismatch => "fingerprint mismatch: 422".into(),
-        Began::Full => "store full: 503".into(),
+        Began::Full { .. } => "store full: 503".into(),
         Began::OverShare { .. } => "share full: 429".into(),
         Began::Failed(e) => format!("store error {e:?}: 503"),
         Began::Unavailable => "store unavailable".into(),

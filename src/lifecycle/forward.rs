@@ -384,8 +384,11 @@ impl<S: Store> Lifecycle<S> {
         }
         let headers: Headers = headers.into_iter().filter(|(n, _)| !is_hop_by_hop(n)).collect();
         let head = STORED_OVERHEAD + headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum::<usize>();
-        let kept =
-            (head <= p.max_response_bytes).then(|| self.buffered.reserve(head)).flatten().map(|r| (Vec::new(), r));
+        let group = self.streams.get(&id).map_or(crate::budget::Group::UNKNOWN, |s| self.known.group(s.caller));
+        let kept = (head <= p.max_response_bytes)
+            .then(|| self.buffered.reserve(group, head))
+            .flatten()
+            .map(|r| (Vec::new(), r));
         let capture = Capture { status, headers, kept, head, buffered: 0, grpc_status: grpc_status.is_some() };
         // Recorded now, while the record can still reach the access log: whether its answer
         // is stored (`completed`) is known only at its end.

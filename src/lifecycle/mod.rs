@@ -33,7 +33,7 @@ use std::collections::VecDeque;
 use crate::ids::IdMap;
 use std::rc::Rc;
 
-use crate::budget::{Budget, Reservation};
+use crate::budget::{Budget, Group, Known, Reservation};
 use crate::config::{Config, OnConflict, Policy};
 use crate::fingerprint::Fingerprint;
 use crate::host::{Flow, Host};
@@ -88,8 +88,12 @@ pub struct Lifecycle<S> {
     /// Whether this VM ever got a request body callback (docs/behaviour.md §4).
     body_seen: bool,
     wake_sent: bool,
-    /// Streams held in wait mode (`max_waiters`).
+    /// Streams held in wait mode (`max_waiters`), in all and per group of callers (no group
+    /// holds more than half).
     waiting: usize,
+    waiting_by: IdMap<Group, usize>,
+    /// The callers this worker has seen claim twice: the others share one group.
+    known: Known,
     /// Held requests' polls on their way (etcd), by the stream that asked: its answer is for
     /// every waiter of that request, should the asker leave first.
     asking: IdMap<u32, (StoreKey, Fingerprint)>,
@@ -99,6 +103,8 @@ pub struct Lifecycle<S> {
 struct Stream {
     policy: usize,
     phase: Phase,
+    /// Whose key it is: its shares of the worker's buffer and wait slots count for it.
+    caller: Caller,
     /// A gRPC call: the plugin's answers are gRPC's (docs/behaviour.md §3.10).
     grpc: bool,
     /// What its record (filter state) will say besides the decision.
@@ -138,6 +144,8 @@ struct Held {
     polling: bool,
     /// The buffer budget held by its body while it waits.
     _buffered: Option<Reservation>,
+    /// The group its wait slot counts for.
+    group: Group,
 }
 
 /// The end of an answer held for its completion.
@@ -204,6 +212,8 @@ impl<S: Store> Lifecycle<S> {
             body_seen: false,
             wake_sent: false,
             waiting: 0,
+            waiting_by: IdMap::default(),
+            known: Known::default(),
             asking: IdMap::default(),
             tick_ms,
         }
@@ -290,7 +300,8 @@ impl<S: Store> Lifecycle<S> {
             }
             Covered::Refused(problem, counter) => {
                 self.count(counter);
-                self.streams.insert(id, Stream { policy, phase: Phase::Pass, grpc, note: record::Note::default() });
+                let (phase, note, caller) = (Phase::Pass, record::Note::default(), Caller::ANONYMOUS);
+                self.streams.insert(id, Stream { policy, phase, caller, grpc, note });
                 self.reply(id, Reply::Problem(problem));
                 Flow::Pause
             }
@@ -307,9 +318,9 @@ impl<S: Store> Lifecycle<S> {
                 // The clock is a host call: read it here only when this event claims, or
                 // while the body-delivery check still needs the request's arrival.
                 let now = if end_of_stream || !self.body_seen { host.now_ms() } else { 0 };
-                let note = record::Note::default();
-                self.streams
-                    .insert(id, Stream { policy, phase: Phase::ReadingBody { pending, since_ms: now }, grpc, note });
+                let (note, caller) = (record::Note::default(), pending.caller);
+                let phase = Phase::ReadingBody { pending, since_ms: now };
+                self.streams.insert(id, Stream { policy, phase, caller, grpc, note });
                 if end_of_stream {
                     self.claim(host, id, Vec::new(), now)
                 } else {
@@ -367,7 +378,7 @@ impl<S: Store> Lifecycle<S> {
                 self.holdings.remove(&owner.id);
                 self.store.forget(owner);
             }
-            Phase::Waiting(_) => self.waiting -= 1, // the client left: nothing to release
+            Phase::Waiting(held) => self.waiter_gone(held.group), // the client left: nothing to release
             _ => {}
         }
     }
@@ -469,10 +480,33 @@ impl<S: Store> Lifecycle<S> {
     /// Moves a stream to `phase`, keeping the count of held requests.
     fn set_phase(&mut self, id: u32, phase: Phase) {
         let Some(stream) = self.streams.get_mut(&id) else { return };
-        let was_waiting = matches!(stream.phase, Phase::Waiting(_));
-        let waits = matches!(phase, Phase::Waiting(_));
+        let was = match &stream.phase {
+            Phase::Waiting(held) => Some(held.group),
+            _ => None,
+        };
+        let now = match &phase {
+            Phase::Waiting(held) => Some(held.group),
+            _ => None,
+        };
         stream.phase = phase;
-        self.waiting = self.waiting + usize::from(waits) - usize::from(was_waiting);
+        if let Some(group) = was {
+            self.waiter_gone(group);
+        }
+        if let Some(group) = now {
+            self.waiting += 1;
+            *self.waiting_by.entry(group).or_default() += 1;
+        }
+    }
+
+    /// A held request stops waiting (answered, sent on, or its client left).
+    fn waiter_gone(&mut self, group: Group) {
+        self.waiting = self.waiting.saturating_sub(1);
+        if let Some(n) = self.waiting_by.get_mut(&group) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.waiting_by.remove(&group);
+            }
+        }
     }
 
     fn problem(&mut self, id: u32, problem: Problem) {

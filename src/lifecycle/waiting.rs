@@ -101,7 +101,7 @@ impl<S: Store> Lifecycle<S> {
     fn decide_waiter(&mut self, id: u32, began: Began, now: u64) {
         let Some(stream) = self.streams.get_mut(&id) else { return };
         let Phase::Waiting(held) = std::mem::replace(&mut stream.phase, Phase::Pass) else { return };
-        self.waiting -= 1;
+        self.waiter_gone(held.group);
         if let Next::Router = self.decide(id, held, began, &mut LazyOutbound::none(), now) {
             self.effects.push(Effect::Resume { stream: id });
         }

@@ -49,8 +49,11 @@ pub enum Began {
     CompletedWithoutBody,
     /// The key was used with a different fingerprint: 422.
     Mismatch,
-    /// The key's part of the store holds nothing but live marks: 503.
-    Full,
+    /// The key's part of the store holds nothing but live marks and answers inside their
+    /// replay window: 503, retry when room frees up.
+    Full {
+        retry_after_s: u64,
+    },
     /// A new key of a caller that wrote the most of this Envoy's full share of the store:
     /// 429, retry after this many seconds.
     OverShare {

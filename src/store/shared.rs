@@ -261,7 +261,7 @@ fn began(begin: Begin, owner: Option<Owner>, now_ms: u64) -> Began {
         (Begin::Replay(r), _) => Began::Replay(r),
         (Begin::CompletedWithoutBody, _) => Began::CompletedWithoutBody,
         (Begin::Mismatch, _) => Began::Mismatch,
-        (Begin::Full, _) => Began::Full,
+        (Begin::Full { retry_after_ms }, _) => Began::Full { retry_after_s: retry_after_ms.div_ceil(1000).max(1) },
     }
 }
 

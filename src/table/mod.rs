@@ -130,8 +130,9 @@ pub enum Begin {
     CompletedWithoutBody,
     /// The key was used with a different fingerprint: 422.
     Mismatch,
-    /// The key's bucket holds nothing but live in-progress marks: 503.
-    Full,
+    /// The key's bucket holds nothing but live in-progress marks and answers inside their
+    /// replay window: 503; room frees up in `retry_after_ms`.
+    Full { retry_after_ms: u64 },
 }
 
 /// What the owner's renewal or release achieved.
@@ -147,8 +148,9 @@ pub enum Finish {
 pub enum Completed {
     /// The response is stored and replays.
     Stored(Change),
-    /// The key is completed without its response (none given, or larger than the bucket's
-    /// share of the byte budget): retries get the non-retryable 409.
+    /// The key is completed without its response (none given, larger than the bucket's share
+    /// of the byte budget, or no room left by answers inside their replay window): retries get
+    /// the non-retryable 409.
     WithoutBody(Change),
     /// The mark was taken over (it had expired): nothing was changed.
     Lost,
@@ -171,15 +173,21 @@ pub enum Decision {
         no_body: bool,
     },
     Mismatch,
-    Full,
+    /// Nothing evictable: `retry_after_ms` until room frees up.
+    Full {
+        retry_after_ms: u64,
+    },
 }
 
+/// `window_ms`: the replay window (`min_retention_s`): a completed entry younger than that is
+/// never evicted.
 pub fn decide(
     bucket: &Bucket,
     key: &KeyTag,
     fingerprint: &Fingerprint,
     caller: Caller,
     now_ms: u64,
+    window_ms: u64,
 ) -> Result<Decision, Corrupt> {
     // A live entry of the key decides alone (at most one exists): found by its tag first.
     if let Some(i) = bucket.find_key(key) {
@@ -192,6 +200,9 @@ pub fn decide(
     let mut free = None;
     let mut expired = None;
     let mut held = share::Holdings::default();
+    // When the first entry that cannot make room now could: a mark's deadline, the end of a
+    // young answer's window (or of its retention).
+    let mut room_at = u64::MAX;
     for i in 0..ENTRIES {
         let entry = bucket.glance(i)?;
         if entry.state == State::Free {
@@ -212,7 +223,13 @@ pub fn decide(
             // A live entry for this key: at most one exists, because claims are decided here.
             return Ok(judge_live(&bucket.entry(i)?, i, fingerprint));
         }
-        held.add(entry.caller, 1, entry.state.is_completed().then_some((i, entry.since_ms)));
+        let evictable = entry.state.is_completed() && outside_window(entry.since_ms, window_ms, now_ms);
+        if !evictable {
+            let window_end =
+                if entry.state.is_completed() { entry.since_ms.saturating_add(window_ms) } else { u64::MAX };
+            room_at = room_at.min(entry.deadline_ms.min(window_end));
+        }
+        held.add(entry.caller, 1, evictable.then_some((i, entry.since_ms)));
     }
     let room = expired_same_key.or(free.map(|i| (i, false))).or(expired.map(|i| (i, false)));
     if let Some((entry, takeover)) = room {
@@ -227,8 +244,14 @@ pub fn decide(
             takeover: false,
             below_share: held.below_share(victim.held, ENTRIES as u64),
         },
-        None => Decision::Full,
+        None => Decision::Full { retry_after_ms: room_at.saturating_sub(now_ms) },
     })
+}
+
+/// Whether a completed entry that took its state at `since_ms` is past the replay window: only
+/// then may room be taken from it (docs/behaviour.md §3.4).
+fn outside_window(since_ms: u64, window_ms: u64, now_ms: u64) -> bool {
+    since_ms.saturating_add(window_ms) <= now_ms
 }
 
 /// A planted defect: a live in-progress mark taken as expired.
@@ -362,6 +385,14 @@ fn slot_of(bucket: u32, entry: usize) -> u32 {
 /// bytes fit in `budget`: expired ones first, then the oldest of the caller holding the most
 /// bytes there, `caller`'s `needed` counted (fair share). Returns the freed entries (slot, gen).
 #[allow(clippy::too_many_arguments)]
+/// Room made for `needed` bytes: the entries freed (their slots and tokens), and whether they
+/// made enough (answers inside their replay window are never taken).
+struct Room {
+    freed: Vec<(u32, u64)>,
+    made: bool,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn make_room(
     bucket: &mut Bucket,
     bucket_id: u32,
@@ -370,8 +401,9 @@ fn make_room(
     needed: u64,
     budget: u64,
     now_ms: u64,
+    window_ms: u64,
     change: &mut Change,
-) -> Result<Vec<(u32, u64)>, Corrupt> {
+) -> Result<Room, Corrupt> {
     let mut expired: Vec<(usize, Entry)> = Vec::new();
     let mut live: Vec<(usize, Entry)> = Vec::new();
     let mut held = share::Holdings::default();
@@ -380,17 +412,18 @@ fn make_room(
         let entry = bucket.entry(i)?;
         if entry.bytes > 0 && entry.state.is_completed() {
             total += u64::from(entry.bytes);
-            if entry.is_live(now_ms) {
-                held.add(entry.caller, u64::from(entry.bytes), Some((i, entry.since_ms)));
-                live.push((i, entry));
-            } else {
+            if !entry.is_live(now_ms) {
                 expired.push((i, entry));
+            } else {
+                let evictable = outside_window(entry.since_ms, window_ms, now_ms);
+                held.add(entry.caller, u64::from(entry.bytes), evictable.then_some((i, entry.since_ms)));
+                live.push((i, entry));
             }
         }
     }
     let mut freed = Vec::new();
     if total + needed <= budget {
-        return Ok(freed);
+        return Ok(Room { freed, made: true });
     }
     held.add(caller, needed, None);
     let mut free = |i: usize, entry: &Entry, change: &mut Change, total: &mut u64| {
@@ -414,7 +447,7 @@ fn make_room(
         free(victim.index, entry, change, &mut total);
         held.remove(victim.index);
     }
-    Ok(freed)
+    Ok(Room { made: total + needed <= budget, freed })
 }
 
 /// A claim decided on a bucket, about to be written.
@@ -432,11 +465,20 @@ struct Claiming<'a> {
 pub struct Table<S> {
     store: S,
     layout: Layout,
+    /// The replay window (`min_retention_s`): no completed entry younger than this is evicted.
+    window_ms: u64,
 }
 
 impl<S: SharedKv> Table<S> {
     pub fn new(store: S, layout: Layout) -> Self {
-        Table { store, layout }
+        Table { store, layout, window_ms: 0 }
+    }
+
+    /// Keeps every completed entry for `window_ms` at least, whatever room others need: a new
+    /// key is refused (`Begin::Full`) and an answer completes unstored rather than evict one.
+    pub fn with_window(mut self, window_ms: u64) -> Self {
+        self.window_ms = window_ms;
+        self
     }
 
     pub fn layout(&self) -> &Layout {
@@ -525,7 +567,7 @@ impl<S: SharedKv> Table<S> {
         let mut unmatched: Option<(usize, u64)> = None;
         for _ in 0..MAX_ATTEMPTS {
             let (bucket, cas) = self.read_bucket(bucket_id)?;
-            match decide(&bucket, &tag, fingerprint, caller, now_ms)? {
+            match decide(&bucket, &tag, fingerprint, caller, now_ms, self.window_ms)? {
                 Decision::Claim { entry, takeover, below_share } => {
                     let claim = Claiming { bucket_id, entry, tag, fingerprint, caller, takeover, below_share };
                     if let Some(claimed) = self.try_claim(bucket, cas, claim, now_ms, lease_ms)? {
@@ -539,7 +581,7 @@ impl<S: SharedKv> Table<S> {
                 }
                 Decision::InProgress => return Ok(Begin::InProgress),
                 Decision::Mismatch => return Ok(Begin::Mismatch),
-                Decision::Full => return Ok(Begin::Full),
+                Decision::Full { retry_after_ms } => return Ok(Begin::Full { retry_after_ms }),
                 Decision::Completed { no_body: true, .. } => return Ok(Begin::CompletedWithoutBody),
                 Decision::Completed { entry, no_body: false } => {
                     let expected = bucket.entry(entry)?;
@@ -688,7 +730,7 @@ impl<S: SharedKv> Table<S> {
         cache: &mut ReplayCache,
     ) -> Result<Completed, StoreError> {
         let response = response.filter(|r| r.stored_len() as u64 <= self.layout.bucket_bytes);
-        let bytes = response.as_ref().map_or(0, |r| r.stored_len() as u64);
+        let mut bytes = response.as_ref().map_or(0, |r| r.stored_len() as u64);
         let mut read = None;
         if let Some(response) = response {
             response.stamp(t.gen, &t.key);
@@ -710,7 +752,27 @@ impl<S: SharedKv> Table<S> {
             }
             let mut change = Change { in_progress: -1, completed: 1, bytes: bytes as i64, ..Change::default() };
             let budget = self.layout.bucket_bytes;
-            let freed = make_room(&mut bucket, bucket_id, index, entry.caller, bytes, budget, now_ms, &mut change)?;
+            let (mut trial, mut trial_change) = (bucket.clone(), change);
+            let room = make_room(
+                &mut trial,
+                bucket_id,
+                index,
+                entry.caller,
+                bytes,
+                budget,
+                now_ms,
+                self.window_ms,
+                &mut trial_change,
+            )?;
+            let mut freed = Vec::new();
+            if room.made {
+                (bucket, change, freed) = (trial, trial_change, room.freed);
+            } else {
+                // Only answers inside their replay window are left to take room from: the key
+                // completes without its response rather than evict one (docs/behaviour.md §3.4).
+                bytes = 0;
+                change.bytes = 0;
+            }
             entry.state = if bytes > 0 { State::Completed } else { State::CompletedNoBody };
             entry.deadline_ms = now_ms.saturating_add(retention_ms);
             entry.since_ms = now_ms;
@@ -720,6 +782,9 @@ impl<S: SharedKv> Table<S> {
                 for (slot, gen) in freed {
                     cache.forget(slot);
                     self.free_data(slot, gen);
+                }
+                if !room.made {
+                    self.free_data(t.slot, t.gen); // the response written first is not kept
                 }
                 return Ok(if bytes > 0 { Completed::Stored(change) } else { Completed::WithoutBody(change) });
             }

@@ -222,7 +222,7 @@ fn in_progress_marks_are_never_evicted() {
     complete(&t, &last, "done", 1, RETENTION);
     // The one completed entry makes room; after that only live marks are left.
     assert!(matches!(t.begin(&key(1000), &fp(1), 2, LEASE).unwrap(), Begin::Claimed { .. }));
-    assert_eq!(t.begin(&key(1001), &fp(1), 3, LEASE).unwrap(), Begin::Full);
+    assert!(matches!(t.begin(&key(1001), &fp(1), 3, LEASE).unwrap(), Begin::Full { .. }));
     // Known keys still get their answer, and every mark's owner still owns it.
     assert_eq!(t.begin(&key(3), &fp(1), 4, LEASE).unwrap(), Begin::InProgress);
     for m in &marks {
@@ -579,6 +579,7 @@ fn decide_decoding_all(
     fingerprint: &Fingerprint,
     caller: Caller,
     now_ms: u64,
+    window_ms: u64,
 ) -> Result<Decision, Corrupt> {
     if let Some(i) = bucket.find_key(key) {
         let entry = bucket.entry(i)?;
@@ -613,16 +614,25 @@ fn decide_decoding_all(
         *held.entry(e.caller).or_default() += 1;
     }
     *held.entry(caller).or_default() += 1;
-    let victim = live.iter().filter(|(_, e)| e.state.is_completed()).max_by_key(|(i, e)| {
+    // Only answers past the replay window make room; otherwise room frees up at the first
+    // deadline or window's end.
+    let evictable = |e: &Entry| e.state.is_completed() && e.since_ms + window_ms <= now_ms;
+    let victim = live.iter().filter(|(_, e)| evictable(e)).max_by_key(|(i, e)| {
         (held[&e.caller], e.caller == caller, std::cmp::Reverse(e.since_ms), std::cmp::Reverse(*i))
     });
+    let room_at = live
+        .iter()
+        .filter(|(_, e)| !evictable(e))
+        .map(|(_, e)| if e.state.is_completed() { e.deadline_ms.min(e.since_ms + window_ms) } else { e.deadline_ms })
+        .min()
+        .unwrap_or(u64::MAX);
     Ok(match victim {
         Some((entry, e)) => Decision::Claim {
             entry: *entry,
             takeover: false,
             below_share: held[&e.caller] * (held.len() as u64) < ENTRIES as u64,
         },
-        None => Decision::Full,
+        None => Decision::Full { retry_after_ms: room_at.saturating_sub(now_ms) },
     })
 }
 
@@ -667,8 +677,10 @@ fn the_claim_scan_decides_as_decoding_every_entry_would() {
         let bucket = Bucket::decode(bytes).unwrap();
         let (key, fingerprint) = ([next(5) as u8; 16], fp(next(2) as u8));
         let caller = Caller::from_bits(next(5));
-        let fast = decide(&bucket, &key, &fingerprint, caller, now);
-        assert_eq!(fast, decide_decoding_all(&bucket, &key, &fingerprint, caller, now), "round {round}");
+        // Some answers inside the replay window, some past it.
+        let window = 975;
+        let fast = decide(&bucket, &key, &fingerprint, caller, now, window);
+        assert_eq!(fast, decide_decoding_all(&bucket, &key, &fingerprint, caller, now, window), "round {round}");
         decisions.insert(format!("{:?}", fast.map(|d| std::mem::discriminant(&d))));
     }
     assert_eq!(decisions.len(), 6, "the rounds reach every kind of decision and an error: {decisions:?}");
@@ -832,4 +844,57 @@ fn local_copies_of_a_fleet_store_follow_fair_share_too() {
     assert_eq!(below, 0);
     assert!((0..8).all(|n| replays_scoped(&t, "Bearer quiet", n, 3_000)));
     assert!(replays_scoped(&t, "Bearer flood", 499, 3_000));
+}
+
+/// docs/behaviour.md §3.4: no answer younger than `min_retention_s` is evicted, by count or by
+/// bytes, whoever needs room. A new key in a bucket that holds nothing older is refused, with
+/// the time until room frees up; once the oldest answer leaves its window, it makes room.
+#[test]
+fn answers_inside_the_replay_window_are_never_evicted_a_new_key_waits_for_room() {
+    const WINDOW: u64 = 60_000;
+    let t = table(ENTRIES).with_window(WINDOW);
+    for k in 0..ENTRIES as u64 {
+        let ticket = claim(&t, k, 10 * k);
+        complete(&t, &ticket, &format!("r{k}"), 10 * k + 5, RETENTION * 10);
+    }
+    // Every answer is inside its window: a new key waits until the oldest (completed at 5)
+    // leaves it.
+    assert_eq!(t.begin(&key(1000), &fp(1), 1_000, LEASE).unwrap(), Begin::Full { retry_after_ms: WINDOW + 5 - 1_000 });
+    for k in 0..ENTRIES as u64 {
+        assert_eq!(replay_body(&t, k, 1_001), Some(format!("r{k}").into_bytes()), "key {k}");
+    }
+    // At the window's end the oldest makes room, and only it.
+    let change = match t.begin(&key(1000), &fp(1), WINDOW + 5, LEASE).unwrap() {
+        Begin::Claimed { change, .. } => change,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(change.evicted, 1);
+    assert_eq!(replay_body(&t, 0, WINDOW + 6), None);
+    assert!(matches!(t.begin(&key(1001), &fp(1), WINDOW + 6, LEASE).unwrap(), Begin::Full { retry_after_ms: 9 }));
+}
+
+/// By bytes, an answer arrives after its work ran: it cannot be refused. When its bucket's
+/// share holds only answers inside their window, it completes its key without being stored
+/// (a retry gets the 409 `response-not-stored`: one effect) rather than evict one of them.
+#[test]
+fn an_answer_meeting_only_young_answers_completes_unstored() {
+    let size = response(&"b".repeat(1000)).stored_len() as u64;
+    let t = table_with_budget(ENTRIES, 3 * size + 10).with_window(60_000);
+    for k in 0..3u64 {
+        let ticket = claim(&t, k, k);
+        done(complete(&t, &ticket, &"b".repeat(1000), k + 1, RETENTION));
+    }
+    let ticket = claim(&t, 3, 10);
+    let c = complete(&t, &ticket, &"b".repeat(1000), 11, RETENTION);
+    assert!(matches!(c, Completed::WithoutBody(Change { bytes: 0, evicted: 0, .. })), "{c:?}");
+    assert_eq!(t.begin(&key(3), &fp(1), 12, LEASE).unwrap(), Begin::CompletedWithoutBody);
+    for k in 0..3 {
+        assert_eq!(replay_body(&t, k, 13), Some(b"b".repeat(1000)), "key {k} kept");
+    }
+    // Nothing of the unstored answer is left in the store.
+    assert!(t.store.value_bytes() < 3 * size as usize + 2 * crate::encoding::BUCKET_BYTES);
+    // Past the window, the oldest answer makes room again.
+    let ticket = claim(&t, 4, 60_002);
+    assert!(matches!(complete(&t, &ticket, &"b".repeat(1000), 60_003, RETENTION), Completed::Stored(_)));
+    assert_eq!(replay_body(&t, 0, 60_004), None);
 }

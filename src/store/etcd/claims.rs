@@ -269,7 +269,7 @@ impl EtcdStore {
                 None => Began::Failed(StoreError::Corrupt("entry: no response")),
             },
             Decision::Completed { no_body: true, .. } => Began::CompletedWithoutBody,
-            Decision::Mismatch | Decision::Full => Began::Mismatch,
+            Decision::Mismatch | Decision::Full { .. } => Began::Mismatch,
         };
         self.answer(round.who, began);
     }
