@@ -235,8 +235,7 @@ impl World {
         // The taker read the mark before it wrote: its clock may have been stepped back since.
         let judge = self.vms[vm].envoy;
         let read_at = end.at.saturating_sub(2 * self.faults.etcd_timeout_ms + 2 * self.faults.etcd_latency_max);
-        let clock = self.clock_of(judge, end.at).max(self.clock_of(judge, read_at));
-        clock >= last.deadline_ms
+        self.latest_clock(judge, read_at, end.at) >= last.deadline_ms
     }
 
     /// Whether the owner of claim `c` (flight `g`'s) could have landed a write that kept its

@@ -433,6 +433,14 @@ impl World {
         stepped as u64 + self.skews[envoy]
     }
 
+    /// The latest Envoy `envoy`'s clock read at any true time in `from..=to` (a step back
+    /// within sets it back).
+    pub(super) fn latest_clock(&self, envoy: usize, from: u64, to: u64) -> u64 {
+        let steps = self.faults.steps.get(envoy).into_iter().flatten().map(|(at, _)| *at);
+        let before_steps = steps.filter(|at| from < *at && *at <= to).map(|at| at - 1);
+        before_steps.chain([from, to]).map(|t| self.clock_of(envoy, t)).max().unwrap_or(0)
+    }
+
     fn clock(&self, vm: usize) -> u64 {
         self.clock_of(self.vms[vm].envoy, self.now)
     }
@@ -1170,6 +1178,11 @@ impl World {
         let status = crate::store::etcd::grpc::grpc_status(&answer);
         let ok = status == Some(0);
         self.store_log.push(StoreOutcome { vm, cluster, sent, ended: self.now, seq: self.events, grant, ok });
+        if status == Some(4) {
+            // Timed out: lost, or slower than `timeout_ms` (a slow run's round trip can be): for
+            // its VM, as a lost call.
+            self.faults.lost.push((vm, cluster, sent));
+        }
         self.log(|| format!("vm {vm} etcd call {call} answered: grpc-status {status:?}"));
         let now = self.clock(vm);
         crate::test_driver::deliver_store_answer(&mut self.vms[vm].lifecycle, CallId::Store(call), &answer, now);
