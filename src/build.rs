@@ -5,6 +5,7 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use crate::caller::TagKey;
 use crate::config::{Config, StoreConfig};
 use crate::ledger::{Share, WriteBudget};
 use crate::lifecycle::Lifecycle;
@@ -37,6 +38,7 @@ pub fn lifecycle_wrapped<K: SharedKv + Clone + 'static>(
     wrap: impl FnOnce(Box<dyn Store>) -> Box<dyn Store>,
 ) -> Result<AnyLifecycle, String> {
     let tick_ms = Lifecycle::<Box<dyn Store>>::tick_ms_for(&config);
+    let (kv_for_key, namespace) = (kv.clone(), config.namespace.clone());
     let store: Box<dyn Store> = match &config.store {
         StoreConfig::SharedData => {
             let layout = Layout::new(&config.namespace, config.capacity, config.max_store_bytes);
@@ -90,7 +92,33 @@ pub fn lifecycle_wrapped<K: SharedKv + Clone + 'static>(
             }
         }
     };
-    Ok(Lifecycle::new(config, wrap(store)))
+    let tag_key = tag_key(&kv_for_key, &namespace, random);
+    Ok(Lifecycle::new(config, wrap(store)).with_tag_key(tag_key))
+}
+
+/// This Envoy's secret for callers' tags (`<namespace>:tag-key` in its shared data): made by
+/// the first VM that configures (the base VM, before any worker serves) from the host's
+/// randomness, read by the others; kept across configuration updates, new when Envoy restarts.
+pub fn tag_key<K: SharedKv>(kv: &K, namespace: &str, random: &mut dyn FnMut() -> u64) -> TagKey {
+    let name = format!("{namespace}:tag-key");
+    let stored = || match kv.get(&name) {
+        Ok((Some(bytes), _)) => bytes.as_slice().try_into().ok().map(TagKey),
+        _ => None,
+    };
+    if let Some(key) = stored() {
+        return key;
+    }
+    let mut fresh = [0u8; 16];
+    fresh[..8].copy_from_slice(&random().to_le_bytes());
+    fresh[8..].copy_from_slice(&random().to_le_bytes());
+    if kv.set(&name, &fresh, None).is_ok() {
+        log::info!(
+            "idempotency: callers' tags are keyed with this Envoy's secret {} (tools/caller_tag.py --key)",
+            TagKey(fresh).hex()
+        );
+    }
+    // Another VM may have written its own first: every VM takes what is stored.
+    stored().unwrap_or(TagKey(fresh))
 }
 
 /// This Envoy's copies of the fleet's completed entries: a table of their own in shared data

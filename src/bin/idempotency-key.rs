@@ -4,14 +4,15 @@
 //!
 //! ```text
 //! cargo run --bin idempotency-key -- --namespace idem --host api.example.com \
-//!     --scope 'Bearer alice' [--scope …] [--capacity 65536] [--clusters etcd_a,etcd_b] [--json] KEY
+//!     --scope 'Bearer alice' [--scope …] [--capacity 65536] [--clusters etcd_a,etcd_b] \
+//!     [--tag-key SECRET] [--json] KEY
 //! ```
 //!
 //! A native tool: the plugin (`cargo build --target wasm32-wasip1 --lib`) never contains it.
 
 use std::process::ExitCode;
 
-use idempotency::caller::Caller;
+use idempotency::caller::{Caller, TagKey};
 use idempotency::config::{Config, StoreConfig};
 use idempotency::encoding::ENTRIES;
 use idempotency::key::{parse_key, StoreKey};
@@ -22,7 +23,8 @@ use serde_json::{json, Value};
 
 const USAGE: &str = "\
 usage: idempotency-key --host AUTHORITY (--scope VALUE | --absent)... [--also VALUE]
-                       [--namespace NS] [--capacity N] [--clusters A,B,...] [--json] [--] KEY
+                       [--namespace NS] [--capacity N] [--clusters A,B,...] [--tag-key SECRET]
+                       [--json] [--] KEY
        idempotency-key --host AUTHORITY --unscoped [...] KEY
 
 Prints where the plugin keeps the key KEY (the Idempotency-Key header's value, bare or quoted):
@@ -42,6 +44,8 @@ keys it may occupy (the table's, and the etcd store's local replay copies'), and
   --capacity N      the configuration's capacity (default 65536)
   --clusters A,B    the etcd store's clusters, in the configuration's order: names the one
                     holding the key (one name: that one)
+  --tag-key SECRET  the Envoy's secret for callers' tags (32 hex digits, logged once when it
+                    made it): the caller tag that Envoy logs (without it: none)
   --json            one JSON object instead of text
 ";
 
@@ -53,6 +57,7 @@ struct Args {
     unscoped: bool,
     capacity: Option<String>,
     clusters: Vec<String>,
+    tag_key: Option<TagKey>,
     json: bool,
     key: String,
 }
@@ -65,6 +70,7 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
         unscoped: false,
         capacity: None,
         clusters: Vec::new(),
+        tag_key: None,
         json: false,
         key: String::new(),
     };
@@ -97,6 +103,10 @@ fn parse_args(argv: impl IntoIterator<Item = String>) -> Result<Args, String> {
             "--capacity" => args.capacity = Some(value("--capacity")?),
             "--clusters" | "--cluster" => {
                 args.clusters.extend(value("--clusters")?.split(',').map(str::trim).map(String::from));
+            }
+            "--tag-key" => {
+                let text = value("--tag-key")?;
+                args.tag_key = Some(TagKey::from_hex(&text).ok_or("--tag-key: expected 32 hex digits")?);
             }
             "--json" => args.json = true,
             "--" => only_keys = true,
@@ -187,7 +197,7 @@ fn run(args: &Args) -> Result<(Value, Vec<String>), String> {
     let out = json!({
         "store_key": hex(&key.0),
         "log_digest": key.short(),
-        "caller_tag": Caller::of(&scopes).short(),
+        "caller_tag": args.tag_key.map(|k| Caller::of(&k, &scopes).short()),
         "capacity": config.capacity,
         "shared_data": table_place(&table, &key)?,
         "local_replays": table_place(&replays, &key)?,
@@ -218,7 +228,10 @@ fn text(out: &Value) -> String {
         "store key       {}\nlog digest      {}\ncaller tag      {}\n",
         s(&out["store_key"]),
         s(&out["log_digest"]),
-        s(&out["caller_tag"])
+        match &out["caller_tag"] {
+            Value::Null => "(the Envoy's secret: --tag-key)".to_string(),
+            tag => s(tag),
+        }
     );
     text += &place("shared_data", "shared data (store kind shared_data), in Envoy's shared data:");
     text += &place("local_replays", "local replay copies (store kind etcd, local_replays), in Envoy's shared data:");

@@ -27,7 +27,7 @@ pub use effect::{CallId, Effect, Reply};
 pub use forward::is_hop_by_hop;
 pub use request::Outbound;
 
-use crate::caller::Caller;
+use crate::caller::{Caller, TagKey};
 use std::collections::VecDeque;
 
 use crate::ids::IdMap;
@@ -94,6 +94,8 @@ pub struct Lifecycle<S> {
     waiting_by: IdMap<Group, usize>,
     /// The callers this worker has seen claim twice: the others share one group.
     known: Known,
+    /// This Envoy's secret for callers' tags.
+    tag_key: TagKey,
     /// Held requests' polls on their way (etcd), by the stream that asked: its answer is for
     /// every waiter of that request, should the asker leave first.
     asking: IdMap<u32, (StoreKey, Fingerprint)>,
@@ -214,9 +216,16 @@ impl<S: Store> Lifecycle<S> {
             waiting: 0,
             waiting_by: IdMap::default(),
             known: Known::default(),
+            tag_key: TagKey::default(),
             asking: IdMap::default(),
             tick_ms,
         }
+    }
+
+    /// Keys callers' tags with this Envoy's secret (docs/memory.md, "Fair share").
+    pub fn with_tag_key(mut self, key: TagKey) -> Self {
+        self.tag_key = key;
+        self
     }
 
     pub fn config(&self) -> &Config {
@@ -290,7 +299,7 @@ impl<S: Store> Lifecycle<S> {
         if !p.enabled || !p.methods.iter().any(|m| m.as_bytes() == read.method.as_slice()) {
             return Flow::Continue;
         }
-        let (covered, grpc) = request::read_headers(&config, p, &read.method, read.headers, host);
+        let (covered, grpc) = request::read_headers(&config, p, &read.method, read.headers, host, &self.tag_key);
         let flow = match covered {
             Covered::No => Flow::Continue,
             Covered::Refused(problem, counter) if config.observe => {

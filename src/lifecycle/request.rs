@@ -1,7 +1,7 @@
 //! A covered request, from its headers (docs/behaviour.md §3.1): the key, the caller's scope, the store
 //! key, the fingerprint so far, and what the root needs to send it itself.
 
-use crate::caller::Caller;
+use crate::caller::{Caller, TagKey};
 use crate::config::{Config, Forward, MissingScope, Policy, RouteMatch};
 use crate::fingerprint::FingerprintBuilder;
 use crate::host::{HeaderMap, Host};
@@ -70,10 +70,11 @@ pub fn read_headers(
     method: &[u8],
     headers: Option<HeaderMap>,
     host: &dyn Host,
+    tag_key: &TagKey,
 ) -> (Covered, bool) {
     let headers = headers.unwrap_or_else(|| host.request_headers());
     let grpc = crate::grpc::is_grpc(headers.get("content-type"));
-    (covered(config, policy, method, host, headers, grpc), grpc)
+    (covered(config, policy, method, host, headers, grpc, tag_key), grpc)
 }
 
 fn covered(
@@ -83,6 +84,7 @@ fn covered(
     host: &dyn Host,
     headers: HeaderMap,
     grpc: bool,
+    tag_key: &TagKey,
 ) -> Covered {
     let first_two = {
         let mut keys = headers.values(&policy.key_header);
@@ -126,7 +128,7 @@ fn covered(
     // A gRPC call sent detached answers its client through the replay loopback (a local
     // reply cannot carry its messages); without it, gRPC calls go through the router.
     let headers = (policy.forward == Forward::Detached && (!grpc || config.grpc_replay_loopback)).then_some(headers);
-    let caller = Caller::of(&scope_refs);
+    let caller = Caller::of(tag_key, &scope_refs);
     Covered::Yes(Box::new(Pending { key, fingerprint, headers, scope_shared, caller }))
 }
 

@@ -593,7 +593,12 @@ mod census_tests {
     fn store_for(s: &mut SharedStore<MemoryKv>, scope: &str, n: u64, body: usize, now: u64) {
         let scopes = [Some(scope.as_bytes())];
         let key = StoreKey::derive("t", b"api", &scopes, n.to_string().as_bytes());
-        let claim = Claim { key, fingerprint: Fingerprint([1; 16]), caller: Caller::of(&scopes), lease_ms: 2_000 };
+        let claim = Claim {
+            key,
+            fingerprint: Fingerprint([1; 16]),
+            caller: Caller::of(&crate::caller::TagKey::default(), &scopes),
+            lease_ms: 2_000,
+        };
         let Some(Answer::Began(Began::Claimed { owner, .. })) = s.begin(For::Stream(1), &claim, now) else {
             panic!("not claimed")
         };
@@ -614,7 +619,7 @@ mod census_tests {
         }
         // 20 buckets a tick, 4 buckets in the table: the first tick finishes a pass.
         let heaviest = s.tick(1_050).heaviest.expect("a pass over 4 buckets ends within a tick");
-        assert_eq!(heaviest.caller, Caller::of(&[Some(b"Bearer busy")]));
+        assert_eq!(heaviest.caller, Caller::of(&crate::caller::TagKey::default(), &[Some(b"Bearer busy")]));
         assert_eq!(heaviest.entries_permille, 833, "40 of 48 entries");
         assert!((1..300).contains(&heaviest.bytes_permille), "its answers are small: {heaviest:?}");
         assert!(s.table().take_turn("flood", 1_050, 60_000), "the first asker speaks");

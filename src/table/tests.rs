@@ -729,7 +729,10 @@ fn a_claim_stands_when_freeing_the_old_response_fails() {
 /// A caller's key: the store key and the caller tag, as a request of `scope` gets them.
 fn scoped(scope: &str, n: u64) -> (StoreKey, Caller) {
     let scopes = [Some(scope.as_bytes())];
-    (StoreKey::derive("t", b"host", &scopes, n.to_string().as_bytes()), Caller::of(&scopes))
+    (
+        StoreKey::derive("t", b"host", &scopes, n.to_string().as_bytes()),
+        Caller::of(&crate::caller::TagKey::default(), &scopes),
+    )
 }
 
 /// Claims and completes `scope`'s key `n` with `body`; the change it made.

@@ -892,7 +892,7 @@ fn scoped_claim(scope: &str, n: u32) -> Claim {
     Claim {
         key: StoreKey::derive("t", b"h", &scopes, n.to_string().as_bytes()),
         fingerprint: Fingerprint([1; 16]),
-        caller: crate::caller::Caller::of(&scopes),
+        caller: crate::caller::Caller::of(&crate::caller::TagKey::default(), &scopes),
         lease_ms: LEASE,
     }
 }
