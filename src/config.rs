@@ -132,6 +132,10 @@ pub struct Policy {
     /// Scope by the mTLS peer's identity: its certificate's first URI SAN.
     pub scope_peer: bool,
     pub scope_jwt_claim: Option<JwtClaim>,
+    /// Where this policy's scope values come from, bound into the store key when the policies
+    /// of one configuration scope by different sources (set by `Config::finish`; `None`: one
+    /// source for every policy, whose positions tell them apart, as before 0.3.0).
+    pub scope_source: Option<Vec<u8>>,
     pub missing_scope: MissingScope,
     pub fingerprint_headers: Vec<String>,
     pub fingerprint_body: bool,
@@ -215,6 +219,7 @@ impl Default for Policy {
             scope_headers: vec!["authorization".into()],
             scope_peer: false,
             scope_jwt_claim: None,
+            scope_source: None,
             missing_scope: MissingScope::Pass,
             fingerprint_headers: vec!["content-type".into()],
             fingerprint_body: true,
@@ -400,6 +405,7 @@ impl Config {
         if !store_bytes_given {
             self.fit_store_bytes();
         }
+        self.bind_scope_sources();
         let (limit, limit_why) = match &self.store {
             StoreConfig::SharedData => {
                 let buckets = crate::table::Layout::buckets_for(self.capacity);
@@ -456,6 +462,34 @@ impl Config {
         Ok(())
     }
 
+    /// A scope value's position tells its source (the headers in order, then the peer, then the
+    /// claim) only while every policy reads the same sources: when they differ, each policy's
+    /// store keys also bind where its values came from (docs/behaviour.md §3.1), so that a
+    /// header on one route can never name the key a JWT claim names on another.
+    fn bind_scope_sources(&mut self) {
+        let source = |p: &Policy| {
+            let mut s = String::new();
+            for h in &p.scope_headers {
+                s += &format!("header:{h}\n");
+            }
+            if p.scope_peer {
+                s += "peer\n";
+            }
+            if let Some(jwt) = &p.scope_jwt_claim {
+                s += &format!("jwt:{}:{}\n", jwt.payload, jwt.claim);
+            }
+            s.into_bytes()
+        };
+        let sources: Vec<Vec<u8>> = self.policies().map(source).collect();
+        if sources.windows(2).all(|w| w.first() == w.last()) {
+            return;
+        }
+        let policies = std::iter::once(&mut self.policy).chain(self.rules.iter_mut().map(|r| &mut r.policy));
+        for (p, s) in policies.zip(sources) {
+            p.scope_source = Some(s);
+        }
+    }
+
     /// Releases before 0.2.0 had no byte budget and stored answers up to the
     /// `max_response_bytes` given (1 MiB was the documented default). With the default budget
     /// one bucket's share is smaller than that for a large `capacity`: the budget grows to
@@ -494,7 +528,8 @@ impl Config {
     /// The policy for a request: the first rule that matches, else the base policy.
     pub fn policy_for(&self, path: &[u8], method: &[u8], route_name: Option<&[u8]>) -> usize {
         let path = path.split(|b| *b == b'?').next().unwrap_or_default();
-        self.rules.iter().position(|r| r.matches(path, method, route_name)).map_or(0, |i| i + 1)
+        let path = normalized(path);
+        self.rules.iter().position(|r| r.matches(&path, method, route_name)).map_or(0, |i| i + 1)
     }
 
     /// Every policy: the base one, then each rule's.
@@ -509,6 +544,37 @@ impl Config {
             None => &self.policy,
         }
     }
+}
+
+/// A path as rules match it (docs/behaviour.md §3.1): slashes merged and `.` and `..` segments
+/// resolved, as Envoy's `merge_slashes` and `normalize_path` route it, so that `//v1/payments`
+/// or `/v1/./payments` cannot escape a rule for `/v1/payments` on an Envoy that does not
+/// normalize. Borrowed when there is nothing to do (the common case).
+pub fn normalized(path: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    let plain = !path.windows(2).any(|w| w == b"//" || w == b"/.") && !path.ends_with(b"/.");
+    if plain {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let mut segments: Vec<&[u8]> = Vec::new();
+    for segment in path.split(|b| *b == b'/').skip(1) {
+        match segment {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    let mut out = Vec::with_capacity(path.len());
+    for s in &segments {
+        out.push(b'/');
+        out.extend_from_slice(s);
+    }
+    let trailing = path.ends_with(b"/") || path.ends_with(b"/.") || path.ends_with(b"/..");
+    if out.is_empty() || trailing {
+        out.push(b'/');
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 impl Rule {
@@ -935,6 +1001,28 @@ mod tests {
         assert!(!p.release_statuses.contains(500) && !p.release_statuses.contains(201));
         assert_eq!(p.forward, Forward::Router);
         assert_eq!(p.scope_headers, vec!["x-tenant"]);
+    }
+
+    #[test]
+    fn rules_match_the_path_as_envoy_routes_it_after_normalizing() {
+        for (raw, norm) in [
+            ("/v1/payments", "/v1/payments"),
+            ("//v1/payments", "/v1/payments"),
+            ("/v1//payments/", "/v1/payments/"),
+            ("/v1/./payments", "/v1/payments"),
+            ("/x/../v1/payments", "/v1/payments"),
+            ("/../v1/payments", "/v1/payments"),
+            ("/v1/payments/.", "/v1/payments/"),
+            ("/.well-known/x", "/.well-known/x"),
+            ("//", "/"),
+        ] {
+            assert_eq!(normalized(raw.as_bytes()).as_ref(), norm.as_bytes(), "{raw}");
+        }
+        let c = parse(r#"{"routes":[{"match":{"prefix":"/v1/payments"},"require_key":true}]}"#).unwrap();
+        for path in ["/v1/payments", "//v1/payments", "/v1/./payments?x=1", "/a/../v1/payments"] {
+            assert_eq!(c.policy_for(path.as_bytes(), b"POST", None), 1, "{path}");
+        }
+        assert_eq!(c.policy_for(b"/v2/payments", b"POST", None), 0);
     }
 
     #[test]

@@ -145,6 +145,22 @@ impl Problem {
     }
 
     /// The upstream gave no answer (connect failure, reset, timeout); the key was released.
+    /// A detached call's answer too large to relay: its work ran and its key completed (a retry
+    /// gets the 409 `response-not-stored`), or the key was released (`retry_after_s`).
+    pub fn answer_too_large(retry_after_s: Option<u64>) -> Problem {
+        let detail = match retry_after_s {
+            Some(_) => "The upstream's answer was too large to relay (max_buffered_bytes) and releases the Idempotency-Key; the request may be retried.",
+            None => "The upstream's answer was too large to relay (max_buffered_bytes); the request was processed and its Idempotency-Key completed. Use forward: \"router\" for routes with such answers.",
+        };
+        Problem::new(
+            502,
+            "answer-too-large",
+            "The upstream's answer is too large to relay",
+            detail.into(),
+            retry_after_s,
+        )
+    }
+
     pub fn upstream_failed(status: u16, reason: &str, retry_after_s: u64) -> Problem {
         let title = match status {
             504 => "The upstream did not answer in time",

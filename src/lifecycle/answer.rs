@@ -231,7 +231,8 @@ impl<S: Store> Lifecycle<S> {
                     // give up with it, and DEADLINE_EXCEEDED releases the key).
                     request.headers = request.headers.replaced("grpc-timeout", None);
                 }
-                self.outbox.push_back(Outgoing { stream: id, policy, grpc, owner, leased_ms, request });
+                let caller = self.streams.get(&id).map_or(crate::caller::Caller::ANONYMOUS, |s| s.caller);
+                self.outbox.push_back(Outgoing { stream: id, policy, grpc, owner, caller, leased_ms, request });
                 self.set_phase(id, Phase::Detached);
                 Next::Hold
             }
@@ -265,9 +266,11 @@ impl<S: Store> Lifecycle<S> {
         );
         if p.on_conflict == OnConflict::Wait && slots {
             let outbound = held.outbound.take().or_else(|| lazy.take());
-            // A held body counts against the worker's buffer budget; past it, 409 at once.
+            // A held request's body and headers count against the worker's buffer budget (an
+            // HTTP/2 client makes a few bytes on the wire into tens of KiB of headers); past
+            // it, 409 at once.
             let reserved = match &outbound {
-                Some(o) => self.buffered.reserve(group, o.body.len()).map(Some),
+                Some(o) => self.buffered.reserve(group, o.body.len() + o.headers.as_bytes().len()).map(Some),
                 None => Some(None),
             };
             if let Some(reservation) = reserved {

@@ -95,7 +95,7 @@ impl<S: Store> Lifecycle<S> {
     /// event loop, etcd's round trip) renews its mark first, so that the lease counts from
     /// the moment the call leaves; a fresh one is left to the periodic renewal.
     pub(super) fn dispatch_upstream(&mut self, out: Outgoing, now: u64) {
-        let Outgoing { stream, policy, grpc, owner, leased_ms, request } = out;
+        let Outgoing { stream, policy, grpc, owner, caller, leased_ms, request } = out;
         let p = self.config.clone();
         let p = p.policy(policy);
         if let Some(owner) = owner {
@@ -119,7 +119,7 @@ impl<S: Store> Lifecycle<S> {
             }
         }
         let n = self.new_call_id();
-        self.calls.insert(n, Upstream { stream, policy, grpc, owner });
+        self.calls.insert(n, Upstream { stream, policy, grpc, owner, caller });
         let request = CallRequest {
             cluster: request.cluster,
             kind: CallKind::Http { headers: request.headers },
@@ -127,6 +127,28 @@ impl<S: Store> Lifecycle<S> {
             timeout_ms: p.upstream_timeout_ms,
         };
         self.effects.push(Effect::Dispatch { call: CallId::Upstream(n), request });
+    }
+
+    /// A detached call's answer too large for its caller's share of the worker's buffer
+    /// (`max_buffered_bytes`, at most half per caller): the VM does not copy it. Its status
+    /// decides as for any answer (the work ran, or the key is released); the client learns
+    /// that the answer could not be relayed (docs/limits.md).
+    pub(super) fn upstream_too_large(&mut self, n: u64, status: u16, now: u64) {
+        let Some(call) = self.calls.remove(&n) else { return };
+        let p = self.config.clone();
+        let p = p.policy(call.policy);
+        log::warn!("a detached call's answer is larger than its caller's share of max_buffered_bytes: not relayed");
+        self.count(Counter::UpstreamFailed);
+        let released = p.release_statuses.contains(status) || call.grpc;
+        match call.owner {
+            Some(owner) if released => self.release(owner, now),
+            Some(owner) => {
+                self.complete(owner, None, p.retention_s * 1000, now);
+            }
+            None => {}
+        }
+        let problem = Problem::answer_too_large(released.then_some(p.retry_after_s));
+        self.problem(call.stream, problem);
     }
 
     /// No healthy host, unknown cluster: the call was not sent.
@@ -147,7 +169,7 @@ impl<S: Store> Lifecycle<S> {
 
     /// A detached call's answer (in the root's event): store it, then answer the client if it
     /// is still there.
-    pub(super) fn on_upstream_answer(&mut self, n: u64, answer: CallAnswer, now: u64) {
+    pub(super) fn on_upstream_answer(&mut self, n: u64, answer: CallAnswer, held: Option<Reservation>, now: u64) {
         let Some(call) = self.calls.remove(&n) else { return };
         let response = match classify(answer) {
             Outcome::NoAnswer { status, reason } => {
@@ -172,7 +194,7 @@ impl<S: Store> Lifecycle<S> {
                 Some(response)
             }
             Some(owner) if response.stored_len() <= p.max_response_bytes => {
-                self.complete_then_answer(owner, call.stream, response, p.retention_s * 1000, now);
+                self.complete_then_answer(owner, call.stream, response, p.retention_s * 1000, held, now);
                 None
             }
             Some(owner) => {
@@ -198,10 +220,12 @@ impl<S: Store> Lifecycle<S> {
         stream: u32,
         response: Rc<StoredResponse>,
         retention_ms: u64,
+        held: Option<Reservation>,
         now: u64,
     ) {
         if !self.store.answers_at_once() {
-            self.ends.insert(owner.id, HeldEnd { stream, since_ms: now, reply: Some(response.clone()), paused: false });
+            let end = HeldEnd { stream, since_ms: now, reply: Some(response.clone()), paused: false, _buffered: held };
+            self.ends.insert(owner.id, end);
             self.complete(owner, Some(response), retention_ms, now);
             return;
         }
@@ -491,7 +515,7 @@ impl<S: Store> Lifecycle<S> {
             self.complete(owner, response, retention_ms, now);
             return Flow::Continue;
         }
-        self.ends.insert(owner.id, HeldEnd { stream: id, since_ms: now, reply: None, paused: false });
+        self.ends.insert(owner.id, HeldEnd { stream: id, since_ms: now, reply: None, paused: false, _buffered: None });
         self.complete(owner, response, retention_ms, now);
         match self.ends.get_mut(&owner.id) {
             Some(end) => {

@@ -160,6 +160,8 @@ struct HeldEnd {
     /// that answers at once (an owner known lost) lets the callback return `Continue`: a
     /// resume from inside the stream's own callback would continue it twice (Envoy crashes).
     paused: bool,
+    /// The buffer budget the answer holds while it waits.
+    _buffered: Option<Reservation>,
 }
 
 struct Holding {
@@ -176,6 +178,8 @@ struct Upstream {
     grpc: bool,
     /// `None`: forwarded without a claim (`on_unavailable: "pass"`).
     owner: Option<Owner>,
+    /// Whose call it is: its answer is held within that caller's share of the buffer.
+    caller: Caller,
 }
 
 /// A detached call waiting for the root. `leased_ms`: when the owner's lease was last set.
@@ -184,6 +188,7 @@ struct Outgoing {
     policy: usize,
     grpc: bool,
     owner: Option<Owner>,
+    caller: Caller,
     leased_ms: u64,
     request: Outbound,
 }

@@ -114,7 +114,8 @@ fn covered(
             MissingScope::Share => {}
         }
     }
-    let mut scope_refs: Vec<Option<&[u8]>> = scopes.iter().map(|s| s.as_deref()).collect();
+    let source = policy.scope_source.as_deref().filter(|_| !scope_shared).map(Some);
+    let mut scope_refs: Vec<Option<&[u8]>> = source.into_iter().chain(scopes.iter().map(|s| s.as_deref())).collect();
     if crate::defects::planted(crate::defects::Defect::ScopeIgnored) {
         scope_refs.clear();
     }
@@ -139,7 +140,8 @@ fn scope_values(policy: &Policy, headers: &HeaderMap, host: &dyn Host) -> Vec<Op
         .scope_headers
         .iter()
         .map(|name| {
-            let values: Vec<&[u8]> = headers.values(name).collect();
+            // An empty value is no caller (an empty `Authorization:` is not a scope anyone shares).
+            let values: Vec<&[u8]> = headers.values(name).filter(|v| !v.is_empty()).collect();
             (!values.is_empty()).then(|| values.join(&0u8))
         })
         .collect();

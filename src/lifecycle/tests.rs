@@ -283,7 +283,8 @@ fn wait_mode_holds_a_duplicate_and_answers_it_with_the_replay() {
 
 #[test]
 fn wait_mode_gives_409_after_wait_max_ms_and_409_at_once_past_the_buffer_budget() {
-    let mut l = lifecycle(r#"{"on_conflict":"wait","wait_max_ms":100,"max_buffered_bytes":10}"#);
+    // A held request's headers and body count (about 130 bytes here); a caller holds half.
+    let mut l = lifecycle(r#"{"on_conflict":"wait","wait_max_ms":100,"max_buffered_bytes":400}"#);
     send(&mut l, 1, &post("k", "{}"), 0);
     send(&mut l, 2, &post("k", "{}"), 1);
     l.on_tick(50);
@@ -291,8 +292,8 @@ fn wait_mode_gives_409_after_wait_max_ms_and_409_at_once_past_the_buffer_budget(
     l.on_tick(120);
     let sent = replies(&l.take_effects());
     assert_eq!((sent[0].0, status_of(&sent[0].1)), (2, 409));
-    // A body larger than the budget is not held.
-    let big = "x".repeat(11);
+    // A body larger than the caller's half of the budget is not held.
+    let big = "x".repeat(100);
     send(&mut l, 3, &post("big", &big), 130);
     let (_, effects) = send(&mut l, 4, &post("big", &big), 131);
     assert_eq!(status_of(&replies(&effects)[0].1), 409);
@@ -411,6 +412,47 @@ fn missing_scope_pass_reject_share() {
     assert_eq!((count(&effects, Counter::Claimed), count(&effects, Counter::ScopeMissing)), (1, 1));
 }
 
+/// Defect (a review of identities): an empty `Authorization:` was a scope, shared by everyone
+/// who sent one, and it passed `missing_scope: "reject"`. An empty value is absent.
+#[test]
+fn an_empty_scope_value_is_no_caller() {
+    let mut empty = post("k", "{}");
+    empty.request.retain(|(n, _)| n != "authorization");
+    empty.request.push(("authorization".into(), Vec::new()));
+    let mut reject = lifecycle(r#"{"missing_scope":"reject"}"#);
+    reject.on_request_headers(&at(&empty, 0), 1, false);
+    assert_eq!(status_of(&replies(&reject.take_effects())[0].1), 401);
+    let mut pass = lifecycle("{}");
+    assert_eq!(pass.on_request_headers(&at(&empty, 0), 1, false), Flow::Continue);
+    assert_eq!(count(&pass.take_effects(), Counter::ScopeMissing), 1);
+}
+
+/// Defect (a review of identities): the store key hashed scope values, not where they came
+/// from: a header value on one route named the same key as an equal JWT claim on another.
+/// When the policies read different sources, the key binds each value's source.
+#[test]
+fn a_header_and_a_claim_of_equal_value_name_different_keys() {
+    let config = r#"{"routes":[{"match":{"prefix":"/jwt/"},"scope_headers":["x-who"]}]}"#;
+    let parsed = Config::parse(config.as_bytes()).unwrap();
+    assert!(parsed.policies().all(|p| p.scope_source.is_some()), "mixed sources are bound");
+    assert!(Config::parse(b"{}").unwrap().policy.scope_source.is_none(), "one source: keys as before");
+    let mut l = lifecycle(config);
+    let mut by_header = post("k", "{}");
+    by_header.request.retain(|(n, _)| n != "authorization");
+    by_header.request.push(("x-who".into(), b"alice".to_vec()));
+    by_header.request[1].1 = b"/jwt/pay".to_vec();
+    let mut by_authorization = post("k", "{}");
+    by_authorization.request.retain(|(n, _)| n != "authorization");
+    by_authorization.request.push(("authorization".into(), b"alice".to_vec()));
+    by_authorization.request[1].1 = b"/jwt/pay".to_vec();
+    let (_, effects) = send(&mut l, 1, &by_header, 0);
+    assert_eq!(count(&effects, Counter::Claimed), 1);
+    // The same value from another source, on another policy: its own key, not a 409 or 422.
+    by_authorization.request[1].1 = b"/pay".to_vec();
+    let (_, effects) = send(&mut l, 2, &by_authorization, 1);
+    assert_eq!(count(&effects, Counter::Claimed), 1, "{effects:?}");
+}
+
 #[test]
 fn one_replay_serves_many_waiters_without_a_copy_each() {
     let mut l = lifecycle(r#"{"on_conflict":"wait"}"#);
@@ -429,4 +471,51 @@ fn one_replay_serves_many_waiters_without_a_copy_each() {
     assert!(sent
         .iter()
         .all(|(_, r)| matches!(r, Reply::Stored { response, replayed: true } if Rc::ptr_eq(response, &first))));
+}
+
+/// docs/behaviour.md §3.8: a detached answer is copied into the VM only within its caller's
+/// share of the worker's buffer. A larger one is not read: the work ran, so its key completes
+/// (a retry gets the 409 `response-not-stored`), and the client learns the answer could not be
+/// relayed.
+#[test]
+fn a_detached_answer_too_large_for_the_buffer_share_completes_unrelayed() {
+    let mut l = lifecycle(r#"{"max_buffered_bytes":1000}"#);
+    send(&mut l, 1, &post("k", "{}"), 0);
+    let effects = answer_detached(&mut l, &upstream_answer("201", &"x".repeat(600)), 10);
+    let sent = replies(&effects);
+    assert_eq!((sent[0].0, status_of(&sent[0].1)), (1, 502), "{:?}", sent);
+    assert_eq!(count(&effects, Counter::Completed), 1);
+    let (_, effects) = send(&mut l, 2, &post("k", "{}"), 20);
+    assert_eq!(status_of(&replies(&effects)[0].1), 409, "completed, its answer not stored");
+    // An answer within the share is relayed and stored as before.
+    send(&mut l, 3, &post("small", "{}"), 30);
+    let effects = answer_detached(&mut l, &upstream_answer("201", &"x".repeat(400)), 40);
+    assert_eq!(status_of(&replies(&effects)[0].1), 201);
+}
+
+/// docs/behaviour.md §3.4: a worker's wait slots are shared per caller. One caller holding
+/// half of them gets its next duplicate answered 409 at once; another caller's duplicate is
+/// still held.
+#[test]
+fn one_caller_running_the_wait_slots_out_is_refused_itself() {
+    let mut l = lifecycle(r#"{"on_conflict":"wait","max_waiters":4}"#);
+    let as_caller = |who: &str, key: &str| {
+        let mut r = post(key, "{}");
+        r.request.retain(|(n, _)| n != "authorization");
+        r.request.push(("authorization".into(), who.as_bytes().to_vec()));
+        r
+    };
+    // Both callers are known (each claimed twice), so each has its own half.
+    let firsts = [("Bearer a", "a1"), ("Bearer a", "a2"), ("Bearer b", "b1"), ("Bearer b", "b2")];
+    for (id, (who, key)) in (1..).zip(firsts) {
+        send(&mut l, id, &as_caller(who, key), 0);
+    }
+    for n in 0..2 {
+        let (_, effects) = send(&mut l, 10 + n, &as_caller("Bearer a", "a1"), 1);
+        assert_eq!(count(&effects, Counter::Waited), 1, "a's duplicate {n} held");
+    }
+    let (_, effects) = send(&mut l, 20, &as_caller("Bearer a", "a1"), 2);
+    assert_eq!(status_of(&replies(&effects)[0].1), 409, "a holds its half: 409 at once");
+    let (_, effects) = send(&mut l, 21, &as_caller("Bearer b", "b1"), 3);
+    assert_eq!(count(&effects, Counter::Waited), 1, "b's duplicate is still held");
 }

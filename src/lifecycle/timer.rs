@@ -2,6 +2,7 @@
 //! own work), the shared queue (calls to send), and the answers to calls.
 
 use super::{CallId, Effect, Lifecycle, Phase};
+use crate::budget::Group;
 use crate::host::Host;
 use crate::problem::Problem;
 use crate::store::{CallAnswer, Store};
@@ -48,9 +49,22 @@ impl<S: Store> Lifecycle<S> {
             }
         }
         let status = super::forward::status_of(&headers);
+        // A detached answer is copied into the VM only within its caller's share of the
+        // worker's buffer: every byte the VM holds is bounded (docs/behaviour.md §3.8).
+        let mut held = None;
+        if let CallId::Upstream(n) = call {
+            let group = self.calls.get(&n).map_or(Group::UNKNOWN, |c| self.known.group(c.caller));
+            match self.buffered.reserve(group, body_size) {
+                Some(r) => held = Some(r),
+                None => {
+                    self.upstream_too_large(n, status, now);
+                    return self.flush(now);
+                }
+            }
+        }
         let answer = CallAnswer { status, headers, body: host.call_body(body_size) };
         match call {
-            CallId::Upstream(n) => self.on_upstream_answer(n, answer, now),
+            CallId::Upstream(n) => self.on_upstream_answer(n, answer, held, now),
             CallId::Store(n) => self.store.on_call_answer(n, &answer, now),
         }
         self.flush(now);
@@ -62,7 +76,7 @@ impl<S: Store> Lifecycle<S> {
         let answer = CallAnswer::grpc(status, &text, host.grpc_message(size));
         match call {
             CallId::Store(n) => self.store.on_call_answer(n, &answer, now),
-            CallId::Upstream(n) => self.on_upstream_answer(n, answer, now), // not sent as gRPC
+            CallId::Upstream(n) => self.on_upstream_answer(n, answer, None, now), // not sent as gRPC
         }
         self.flush(now);
     }
