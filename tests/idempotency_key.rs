@@ -1,5 +1,5 @@
 //! `src/bin/idempotency-key.rs` run as an operator runs it, against known vectors: the store
-//! key of src/key.rs `store_key_vector`, the caller tag of src/caller.rs `caller_tag_vector`,
+//! key of src/key.rs `store_key_vector`, the caller tag of src/caller.rs `caller_tag_vector` (under its secret),
 //! and the bucket and etcd shard of that key worked out by hand (docs/operations.md, "Finding
 //! one key").
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)] // test code
@@ -7,6 +7,8 @@
 use std::process::{Command, Output};
 
 const BIN: &str = env!("CARGO_BIN_EXE_idempotency-key");
+/// The secret of src/caller.rs `caller_tag_vector`, the SipHash reference key.
+const TAG_KEY: &str = "000102030405060708090a0b0c0d0e0f";
 const VECTOR: &str = "2cf6ad973cc0d74141c28f40258ea4426f5731fa10da47ab86dc3dd54cbdd879";
 
 fn run(args: &[&str]) -> Output {
@@ -23,7 +25,17 @@ fn json(args: &[&str]) -> serde_json::Value {
 
 #[test]
 fn the_vector_key_as_text() {
-    let out = run(&["--namespace", "idem", "--host", "localhost", "--scope", "Bearer e2e-caller", "vector-key"]);
+    let out = run(&[
+        "--namespace",
+        "idem",
+        "--host",
+        "localhost",
+        "--scope",
+        "Bearer e2e-caller",
+        "--tag-key",
+        TAG_KEY,
+        "vector-key",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
     // The bucket: the key's first 8 bytes, little-endian, modulo 1,024 buckets (65,536 / 64):
@@ -31,7 +43,7 @@ fn the_vector_key_as_text() {
     let want = format!(
         "store key       {VECTOR}
 log digest      2cf6ad973cc0
-caller tag      d4abf
+caller tag      fa960
 shared data (store kind shared_data), in Envoy's shared data:
   bucket        idem:t2:1024:b556 (bucket 556 of 1024)
   data keys     idem:t2:1024:d35584 .. idem:t2:1024:d35647 (its entry is one of the bucket's 64)
@@ -50,7 +62,8 @@ fn the_vector_key_as_json_with_shards() {
         json(&["--host", "localhost", "--scope", "Bearer e2e-caller", "--clusters", "etcd_a,etcd_b", "vector-key"]);
     assert_eq!(out["store_key"], VECTOR);
     assert_eq!(out["log_digest"], "2cf6ad973cc0");
-    assert_eq!(out["caller_tag"], "d4abf");
+    // Without the Envoy's secret there is no tag to show: tags are keyed (docs/memory.md).
+    assert_eq!(out["caller_tag"], serde_json::Value::Null);
     assert_eq!(out["etcd_key"], format!("/idem/{VECTOR}"));
     // Rendezvous: splitmix64(last 8 bytes LE ^ FNV-1a(name)) is 0xff1c… for etcd_a, 0x54b1… for etcd_b.
     assert_eq!(out["etcd_cluster"], "etcd_a");
@@ -90,8 +103,13 @@ fn scope_values_change_the_key_by_value_position_and_absence() {
     // After `--`, a key may start with dashes.
     let dashed = json(&["--host", "localhost", "--scope", "a", "--", "--k"]);
     assert_ne!(dashed["store_key"].as_str().unwrap(), key(&["--scope", "a"]));
-    let anonymous = json(&["--host", "localhost", "--absent", "k"]);
+    let anonymous = json(&["--host", "localhost", "--absent", "--tag-key", TAG_KEY, "k"]);
     assert_eq!(anonymous["caller_tag"], "00000");
+    let keyed = |tag_key: &str| {
+        json(&["--host", "localhost", "--scope", "Bearer alice", "--tag-key", tag_key, "k"])["caller_tag"].clone()
+    };
+    // Another Envoy's secret gives the same caller another tag.
+    assert_ne!(keyed(TAG_KEY), keyed("ffeeddccbbaa99887766554433221100"));
 }
 
 #[test]

@@ -20,8 +20,10 @@ def gauge(envoy, name):
     return envoy.stat(f"wasmcustom.idempotency.{name}")
 
 
-def caller_tag(scope):
-    out = subprocess.run([sys.executable, str(ROOT / "tools/caller_tag.py"), scope],
+def caller_tag(envoy, scope):
+    """The tag `envoy` logs for `scope`: keyed with the secret it logged when it made it."""
+    key = envoy.wait_log(r"keyed with this Envoy's secret ([0-9a-f]{32})", timeout=5).group(1)
+    out = subprocess.run([sys.executable, str(ROOT / "tools/caller_tag.py"), "--key", key, scope],
                          check=True, capture_output=True, text=True)
     return out.stdout.strip()
 
@@ -52,7 +54,7 @@ def flood_then_retry(envoy, upstream, capacity):
 
 def test_a_flood_of_new_keys_leaves_another_callers_answers_stored(upstream, make_envoy, wasm):
     capacity = 256
-    envoy = make_envoy({"capacity": capacity}, upstream.port)
+    envoy = make_envoy({"capacity": capacity, "min_retention_s": 0}, upstream.port)
     quiet, flood, _ = flood_then_retry(envoy, upstream, capacity)
     counters = plugin_counters(envoy)
     # Every way taken, each new key evicted one of the flooder's own answers.
@@ -61,7 +63,7 @@ def test_a_flood_of_new_keys_leaves_another_callers_answers_stored(upstream, mak
     # The flooder holds the rest of the table: 192 of 256 entries.
     wait_until(lambda: gauge(envoy, "heaviest_caller_entries_permille") == 750, timeout=10,
                message="the sweep's pass counts the heaviest caller")
-    tag = caller_tag(FLOOD["authorization"])
+    tag = caller_tag(envoy, FLOOD["authorization"])
     line = envoy.wait_log(rf"fair share: caller {tag} holds \d+\.\d% of the table.s entries",
                           timeout=10)
     assert "flooding-tenant" not in envoy.log_text(), "the scope itself is never logged"
@@ -77,7 +79,7 @@ def test_a_flood_of_large_answers_leaves_another_callers_answers_stored(upstream
     """25 MiB of one caller's answers through a 2 MiB budget; another caller's six answers
     of 16 KiB stay."""
     budget = 2 << 20
-    envoy = make_envoy({"capacity": 128, "max_store_bytes": budget,
+    envoy = make_envoy({"capacity": 128, "max_store_bytes": budget, "min_retention_s": 0,
                         "max_response_bytes": 256 << 10}, upstream.port)
     small = {**QUIET, "x-body-bytes": str(16 << 10)}
     big = {**FLOOD, "x-body-bytes": str(64 << 10)}
