@@ -114,12 +114,16 @@ impl Default for Known {
 }
 
 impl Known {
-    /// `caller` claimed a key.
+    /// `caller` claimed a key. A newcomer whose slot holds a known caller wears it down by
+    /// one claim instead of taking it: a flood of identities that claim once each cannot make
+    /// a caller that claims often a stranger (its slot goes only after as many collisions as
+    /// it made claims).
     pub fn claimed(&mut self, caller: Caller) {
         let tag = caller.bits() as u32;
         if let Some(slot) = self.slots.get_mut(tag as usize % SLOTS) {
             *slot = match *slot {
                 (t, n) if t == tag => (t, n.saturating_add(1)),
+                (t, n) if n >= 2 => (t, n - 1),
                 _ => (tag, 1),
             };
         }
@@ -185,6 +189,35 @@ mod tests {
         assert_eq!(invented.len(), 5, "a hundred identities, one half");
         assert!(budget.reserve(known.group(alice), 50).is_some(), "the known caller keeps its half");
         assert_eq!(known.group(bob), Group::UNKNOWN);
+    }
+
+    /// A flood of identities that claim once each, some landing in a known caller's slot,
+    /// leaves that caller known; a newcomer takes a slot only from a caller seen once.
+    #[test]
+    fn a_flood_of_one_claim_identities_does_not_make_a_known_caller_a_stranger() {
+        let mut known = Known::default();
+        let alice = Caller::from_bits(7);
+        for _ in 0..4 {
+            known.claimed(alice);
+        }
+        // Three newcomers in alice's slot (same tag modulo the slots) wear her down to one.
+        for n in 1..=2u64 {
+            known.claimed(Caller::from_bits(7 + n * SLOTS as u64));
+            assert_eq!(known.group(alice), Group(7), "after {n} collisions");
+        }
+        known.claimed(Caller::from_bits(7 + 3 * SLOTS as u64));
+        assert_eq!(known.group(alice), Group::UNKNOWN, "worn down to one claim");
+        known.claimed(Caller::from_bits(7 + 4 * SLOTS as u64));
+        assert_eq!(known.group(Caller::from_bits(7 + 4 * SLOTS as u64)), Group::UNKNOWN, "seen once");
+        // A flood over every slot, once each, leaves a caller with claims to spare known.
+        let bob = Caller::from_bits(9);
+        for _ in 0..5 {
+            known.claimed(bob);
+        }
+        for n in 0..(2 * SLOTS as u64) {
+            known.claimed(Caller::from_bits(100_000 + n));
+        }
+        assert_eq!(known.group(bob), Group(9));
     }
 
     #[test]

@@ -78,7 +78,8 @@ impl GrpcAnswer {
             (409, _) => FAILED_PRECONDITION, // completed, its response not stored
             (400 | 422, _) => INVALID_ARGUMENT,
             (401, _) => UNAUTHENTICATED,
-            (413 | 429, _) | (503, "store-full") => RESOURCE_EXHAUSTED,
+            // A message too large is RESOURCE_EXHAUSTED in gRPC's own codes, as is a full store.
+            (413 | 429, _) | (503, "store-full") | (502, "answer-too-large") => RESOURCE_EXHAUSTED,
             (500, _) => INTERNAL,
             _ => UNAVAILABLE, // store full or unavailable, upstream gone: no work done
         };
@@ -249,6 +250,10 @@ mod tests {
         assert_eq!(info.retry_delay, Some(Duration { seconds: 90, nanos: 0 }));
         // A body over the limit is resource-exhausted too, and not retried.
         assert!(GrpcAnswer::for_problem(&Problem::body_too_large(10)).metadata.is_empty());
+        // An answer too large to relay whose key was released says when to retry.
+        let released = GrpcAnswer::for_problem(&Problem::answer_too_large(Some(3)));
+        assert_eq!(released.code, RESOURCE_EXHAUSTED);
+        assert!(released.metadata.iter().any(|(n, v)| n == "grpc-retry-pushback-ms" && v == b"3000"));
     }
 
     #[test]
@@ -264,6 +269,7 @@ mod tests {
             (Problem::completed_without_response(), FAILED_PRECONDITION),
             (Problem::scope_missing(), UNAUTHENTICATED),
             (Problem::body_unavailable(), INTERNAL),
+            (Problem::answer_too_large(None), RESOURCE_EXHAUSTED),
         ];
         for (p, code) in cases {
             let a = GrpcAnswer::for_problem(&p);

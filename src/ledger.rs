@@ -131,12 +131,12 @@ impl Ledger {
 
     /// Within `budget`, every caller adds new keys. Past it, a caller that wrote at least an
     /// even share of the budget is refused; the others go on. The writers are the heavy
-    /// callers, one by one, and the light ones together as one (those that wrote less than a
-    /// `4 × TRACKED`th of the budget, with `others`): an established caller keeps its own
-    /// account, and a swarm of new identities, one per request, shares one; a caller not
-    /// tracked is judged with it (docs/behaviour.md §3.4, §3.13). The writer that wrote the
-    /// most always has at least an even share.
-    pub fn verdict(&self, caller: Caller, budget: u64) -> bool {
+    /// callers, one by one, and the light ones together as one, the swarm (those that wrote
+    /// less than a `4 × TRACKED`th of the budget, with `others`). A heavy caller, or an
+    /// `established` one (it claimed keys on this worker before), is judged on its own
+    /// account; any other caller, a new identity per request, with the swarm (docs/fleet.md).
+    /// The writer that wrote the most always has at least an even share.
+    pub fn verdict(&self, caller: Caller, established: bool, budget: u64) -> bool {
         if self.total() < budget {
             return true;
         }
@@ -145,7 +145,9 @@ impl Ledger {
         let swarm = rows().filter(|(_, b)| *b < light).fold(sum(&self.others), |a, (_, b)| a.saturating_add(b));
         let writers = rows().filter(|(_, b)| *b >= light).count() as u64 + u64::from(swarm > 0);
         let written = match rows().find(|(c, _)| *c == caller) {
-            Some((_, b)) if b >= light => b,
+            Some((_, b)) if b >= light || established => b,
+            // Established but no longer tracked: it wrote less than every tracked caller.
+            None if established => 0,
             _ => swarm,
         };
         written.saturating_mul(writers.max(1)) < budget
@@ -153,10 +155,10 @@ impl Ledger {
 
     /// How many period boundaries must pass before `caller` is admitted, if nobody writes
     /// meanwhile (at most `SLOTS`: then everything has dropped out).
-    pub fn periods_until_admitted(&self, caller: Caller, budget: u64) -> u64 {
+    pub fn periods_until_admitted(&self, caller: Caller, established: bool, budget: u64) -> u64 {
         let mut later = self.clone();
         for k in 0..SLOTS as u64 {
-            if later.verdict(caller, budget) {
+            if later.verdict(caller, established, budget) {
                 return k;
             }
             later.roll(later.period + 1);
@@ -178,15 +180,15 @@ fn sum(slots: &[u64; SLOTS]) -> u64 {
 
 /// What the etcd store asks of an Envoy's write budget.
 pub trait Share {
-    fn verdict(&self, caller: Caller, now_ms: u64) -> Verdict;
+    fn verdict(&self, caller: Caller, established: bool, now_ms: u64) -> Verdict;
     /// `caller` sent a write of `bytes`; the Envoy's total lately, if it could be counted.
     fn charge(&self, caller: Caller, bytes: u64, now_ms: u64) -> Option<u64>;
     fn budget(&self) -> u64;
 }
 
 impl<S: SharedKv> Share for WriteBudget<S> {
-    fn verdict(&self, caller: Caller, now_ms: u64) -> Verdict {
-        WriteBudget::verdict(self, caller, now_ms)
+    fn verdict(&self, caller: Caller, established: bool, now_ms: u64) -> Verdict {
+        WriteBudget::verdict(self, caller, established, now_ms)
     }
     fn charge(&self, caller: Caller, bytes: u64, now_ms: u64) -> Option<u64> {
         WriteBudget::charge(self, caller, bytes, now_ms)
@@ -220,10 +222,10 @@ impl<S: SharedKv> WriteBudget<S> {
 
     /// Whether `caller` may add a new key now. A ledger that cannot be read admits: the
     /// budget protects etcd's space, it must not stop the gateway.
-    pub fn verdict(&self, caller: Caller, now_ms: u64) -> Verdict {
+    pub fn verdict(&self, caller: Caller, established: bool, now_ms: u64) -> Verdict {
         match self.read(now_ms) {
-            Ok((ledger, _)) if !ledger.verdict(caller, self.budget) => {
-                let periods = ledger.periods_until_admitted(caller, self.budget);
+            Ok((ledger, _)) if !ledger.verdict(caller, established, self.budget) => {
+                let periods = ledger.periods_until_admitted(caller, established, self.budget);
                 let retry_after_ms = (periods * self.period_ms).saturating_sub(now_ms % self.period_ms);
                 Verdict::Refuse { retry_after_ms }
             }
@@ -268,12 +270,13 @@ mod tests {
         let mut l = Ledger::default();
         l.charge(c(1), 900);
         l.charge(c(2), 50);
-        assert!(l.verdict(c(1), 1_000) && l.verdict(c(2), 1_000));
+        assert!(l.verdict(c(1), true, 1_000) && l.verdict(c(2), true, 1_000));
         l.charge(c(2), 60);
         assert_eq!(l.total(), 1_010);
-        assert!(!l.verdict(c(1), 1_000), "the flooder is refused");
-        assert!(l.verdict(c(2), 1_000), "110 of an even share of 500: goes on");
-        assert!(l.verdict(c(3), 1_000), "a new caller goes on");
+        assert!(!l.verdict(c(1), true, 1_000), "the flooder is refused");
+        assert!(l.verdict(c(2), true, 1_000), "110 of an even share of 500: goes on");
+        assert!(l.verdict(c(3), true, 1_000), "a new caller it knows goes on");
+        assert!(l.verdict(c(3), false, 1_000), "and so does a stranger: the swarm wrote nothing");
         assert_eq!(l.heaviest(), Some((c(1), 900)));
     }
 
@@ -288,7 +291,7 @@ mod tests {
         let mut admitted = 0;
         for n in 0..2_000u64 {
             let identity = c(10_000 + n);
-            if l.verdict(identity, budget) {
+            if l.verdict(identity, false, budget) {
                 admitted += 1;
                 l.charge(identity, 200);
             }
@@ -296,9 +299,34 @@ mod tests {
         // Up to the budget, then the untracked are refused together.
         assert!(admitted <= budget / 200 + 1, "{admitted} new identities admitted");
         assert!(l.total() <= budget + 200, "{} bytes written", l.total());
-        assert!(!l.verdict(c(99_999), budget), "a new identity is judged with the others");
-        assert!(l.verdict(c(1), budget), "the established caller's new keys go on");
+        assert!(!l.verdict(c(99_999), false, budget), "a new identity is judged with the others");
+        assert!(l.verdict(c(1), true, budget), "the established caller's new keys go on");
         assert_eq!(l.of(c(1)), 5_000, "and it is still tracked");
+    }
+
+    /// Defect (tests/test_identities.py): an established caller that wrote little was judged
+    /// with the swarm, and a flood of invented identities locked it out; evicted from the
+    /// tracked rows by heavier newcomers, it was a stranger again.
+    #[test]
+    fn an_established_caller_that_wrote_little_goes_on_through_a_flood() {
+        let budget = 100_000;
+        let mut l = Ledger::default();
+        l.charge(c(1), 300); // below budget / (4 × 64): light
+        for n in 0..2_000u64 {
+            let identity = c(10_000 + n);
+            if l.verdict(identity, false, budget) {
+                l.charge(identity, 2_000);
+            }
+        }
+        // Identities that each wrote more than a light caller are writers of their own while
+        // tracked: past the budget the flood stops within about `TRACKED` of its writes.
+        assert!(l.total() <= budget + (TRACKED as u64 + 1) * 2_000, "{} bytes written", l.total());
+        assert_eq!(l.of(c(1)), 0, "no longer tracked: its bytes are with the others");
+        assert!(l.verdict(c(1), true, budget), "established: judged on its own account");
+        assert!(!l.verdict(c(1), false, budget), "a stranger with its tag is judged with the swarm");
+        // Once it writes it is tracked again, and stays admitted while it is light.
+        l.charge(c(1), 300);
+        assert!(l.verdict(c(1), true, budget));
     }
 
     #[test]
@@ -349,11 +377,11 @@ mod tests {
         let b = WriteBudget::new(MemoryKv::new(), "t", 1_000, 30_000);
         assert_eq!(b.charge(c(1), 1_200, 25_000), Some(1_200));
         // Written in the period 20–30 s, kept through 60 s.
-        assert_eq!(b.verdict(c(1), 25_000), Verdict::Refuse { retry_after_ms: 35_000 });
-        assert_eq!(b.verdict(c(2), 25_000), Verdict::Admit);
-        assert_eq!(b.verdict(c(1), 59_999), Verdict::Refuse { retry_after_ms: 1 });
+        assert_eq!(b.verdict(c(1), true, 25_000), Verdict::Refuse { retry_after_ms: 35_000 });
+        assert_eq!(b.verdict(c(2), true, 25_000), Verdict::Admit);
+        assert_eq!(b.verdict(c(1), true, 59_999), Verdict::Refuse { retry_after_ms: 1 });
         // Four periods of 10 s later the flood has dropped out.
-        assert_eq!(b.verdict(c(1), 60_000), Verdict::Admit);
+        assert_eq!(b.verdict(c(1), true, 60_000), Verdict::Admit);
         assert_eq!(b.figures(25_000), Some((1_200, Some((c(1), 1_200)))));
     }
 }

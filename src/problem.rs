@@ -144,7 +144,6 @@ impl Problem {
         )
     }
 
-    /// The upstream gave no answer (connect failure, reset, timeout); the key was released.
     /// A detached call's answer too large to relay: its work ran and its key completed (a retry
     /// gets the 409 `response-not-stored`), or the key was released (`retry_after_s`).
     pub fn answer_too_large(retry_after_s: Option<u64>) -> Problem {
@@ -161,6 +160,7 @@ impl Problem {
         )
     }
 
+    /// The upstream gave no answer (connect failure, reset, timeout); the key was released.
     pub fn upstream_failed(status: u16, reason: &str, retry_after_s: u64) -> Problem {
         let title = match status {
             504 => "The upstream did not answer in time",

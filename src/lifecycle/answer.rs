@@ -5,6 +5,7 @@ use std::rc::Rc;
 
 use super::request::{self, Outbound, Pending};
 use super::{Held, Holding, Lifecycle, Outgoing, Phase, Reply};
+use crate::budget::Group;
 use crate::config::{OnConflict, OnUnavailable, StoreConfig};
 use crate::defects::{planted, Defect};
 use crate::encoding::StoredResponse;
@@ -54,7 +55,8 @@ impl<S: Store> Lifecycle<S> {
         }
         let fingerprint = fingerprint.finish();
         self.renew_due(now, false);
-        let claim = Claim { key, fingerprint, caller, lease_ms: policy.lease_ms };
+        let established = self.known.group(caller) != Group::UNKNOWN;
+        let claim = Claim { key, fingerprint, caller, established, lease_ms: policy.lease_ms };
         let mut held = Box::new(Held {
             key,
             fingerprint,

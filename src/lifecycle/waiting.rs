@@ -27,7 +27,10 @@ impl<S: Store> Lifecycle<S> {
             if !asked.contains(&(held.key, held.fingerprint)) {
                 asked.push((held.key, held.fingerprint));
                 let lease_ms = self.config.policy(stream.policy).lease_ms;
-                due.push((*id, Claim { key: held.key, fingerprint: held.fingerprint, caller: held.caller, lease_ms }));
+                let established = self.known.group(held.caller) != crate::budget::Group::UNKNOWN;
+                let claim =
+                    Claim { key: held.key, fingerprint: held.fingerprint, caller: held.caller, established, lease_ms };
+                due.push((*id, claim));
             }
         }
         for (id, claim) in due {

@@ -110,6 +110,10 @@ pub struct Claim {
     pub fingerprint: Fingerprint,
     /// Whose key it is (fair share).
     pub caller: Caller,
+    /// The caller claimed keys on this worker before (`budget::Known`): the write budget
+    /// judges it on its own account even when it wrote little, and a caller not established,
+    /// a new identity per request, with the light ones together (docs/fleet.md).
+    pub established: bool,
     pub lease_ms: u64,
 }
 

@@ -237,7 +237,7 @@ impl<S: SharedKv> SharedStore<S> {
             return;
         }
         log::warn!(
-            "fair share: caller {} holds {}.{}% of the table's entries and {}.{}% of its stored bytes while the table evicts (answers {} ms old are being evicted); evictions take its own oldest answers first. tools/caller_tag.py gives a scope's tag. Logged once a minute",
+            "fair share: caller {} holds {}.{}% of the table's entries and {}.{}% of its stored bytes while the table evicts (answers {} ms old are being evicted); evictions take its own oldest answers first. tools/caller_tag.py --key <this Envoy's secret, logged at start> gives a scope's tag. Logged once a minute",
             heaviest.caller.short(),
             heaviest.entries_permille / 10,
             heaviest.entries_permille % 10,
@@ -440,6 +440,7 @@ mod tests {
             key,
             fingerprint: Fingerprint([fingerprint; 16]),
             caller: crate::caller::Caller::ANONYMOUS,
+            established: true,
             lease_ms: LEASE_MS,
         }
     }
@@ -597,6 +598,7 @@ mod census_tests {
             key,
             fingerprint: Fingerprint([1; 16]),
             caller: Caller::of(&crate::caller::TagKey::default(), &scopes),
+            established: true,
             lease_ms: 2_000,
         };
         let Some(Answer::Began(Began::Claimed { owner, .. })) = s.begin(For::Stream(1), &claim, now) else {

@@ -39,7 +39,7 @@ impl EtcdStore {
             Ok(Some(kv)) => self.judge_existing(round, kv, now, true),
             // Claimed once a VM lease is at hand (`pump`), as a takeover is; unless this
             // Envoy's share of etcd is full and this caller wrote the most of it.
-            Ok(None) => match self.over_share(round.caller, now) {
+            Ok(None) => match self.over_share(round.caller, round.established, now) {
                 Some(refused) => self.answer(round.who, refused),
                 None => self.rounds.push_back(Round { takeover: None, ..round }),
             },
@@ -255,7 +255,7 @@ impl EtcdStore {
             self.keep_copy(&round.store_key, &entry, response.as_ref(), now);
         }
         let began = match decide_entry(Some(&entry), &round.fingerprint, now) {
-            Decision::Claim { .. } if writable => match self.over_share(round.caller, now) {
+            Decision::Claim { .. } if writable => match self.over_share(round.caller, round.established, now) {
                 Some(refused) => refused,
                 None => {
                     round.takeover = Some(kv.mod_revision);

@@ -70,6 +70,7 @@ struct Round {
     tag: KeyTag,
     fingerprint: Fingerprint,
     caller: Caller,
+    established: bool,
     lease_ms: u64,
     attempts: u8,
     /// When its last read was sent: only a read refused at once is read again.
@@ -295,9 +296,9 @@ impl EtcdStore {
 
     /// A new key's claim is about to be written: `None` when its caller may, else the 429's
     /// answer (this Envoy's share is full and the caller wrote the most of it lately).
-    fn over_share(&mut self, caller: Caller, now: u64) -> Option<Began> {
+    fn over_share(&mut self, caller: Caller, established: bool, now: u64) -> Option<Began> {
         let share = self.share.as_ref()?;
-        let Verdict::Refuse { retry_after_ms } = share.verdict(caller, now) else { return None };
+        let Verdict::Refuse { retry_after_ms } = share.verdict(caller, established, now) else { return None };
         if now >= self.share_logged_ms {
             self.share_logged_ms = now + 60_000;
             log::warn!(
@@ -618,6 +619,7 @@ impl Store for EtcdStore {
             tag,
             fingerprint: claim.fingerprint,
             caller: claim.caller,
+            established: claim.established,
             lease_ms: claim.lease_ms,
             attempts: 0,
             looked_ms: 0,

@@ -31,6 +31,7 @@ fn claim(key: &str) -> Claim {
         key: StoreKey::derive("t", b"h", &[], key.as_bytes()),
         fingerprint: Fingerprint([1; 16]),
         caller: crate::caller::Caller::ANONYMOUS,
+        established: true,
         lease_ms: LEASE,
     }
 }
@@ -893,6 +894,7 @@ fn scoped_claim(scope: &str, n: u32) -> Claim {
         key: StoreKey::derive("t", b"h", &scopes, n.to_string().as_bytes()),
         fingerprint: Fingerprint([1; 16]),
         caller: crate::caller::Caller::of(&crate::caller::TagKey::default(), &scopes),
+        established: true,
         lease_ms: LEASE,
     }
 }
