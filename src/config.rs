@@ -152,6 +152,11 @@ pub struct Policy {
     pub max_response_bytes: usize,
     pub forward: Forward,
     pub upstream_timeout_ms: u64,
+    /// Detached calls go to this cluster, whose endpoint is an internal listener with the
+    /// same routes (no idempotency filter), so the route's rewrites, header rules, timeout
+    /// and retries apply as for the router; `None`: straight to the route's cluster, as the
+    /// client sent the request (docs/deployment.md, "Detached calls through the route").
+    pub detached_via: Option<String>,
 }
 
 /// Which requests a rule applies to.
@@ -241,6 +246,7 @@ impl Default for Policy {
             max_response_bytes: 128 << 10,
             forward: Forward::Detached,
             upstream_timeout_ms: 30_000,
+            detached_via: None,
         }
     }
 }
@@ -522,7 +528,18 @@ impl Config {
             (Gauge::ConfigBuckets, buckets),
             (Gauge::ConfigBucketShareBytes, self.max_store_bytes / buckets.max(1)),
             (Gauge::ConfigMaxResponseBytes, self.policy.max_response_bytes as u64),
+            (Gauge::ConfigDetachedUnrouted, self.detached_unrouted() as u64),
         ]
+    }
+
+    /// How many policies (the base one and the rules') send detached calls straight to the
+    /// route's cluster, without the route's rewrites, header rules, timeout and retries:
+    /// told at configure (a warning and the `config_detached_unrouted` gauge).
+    pub fn detached_unrouted(&self) -> usize {
+        if self.observe {
+            return 0;
+        }
+        self.policies().filter(|p| p.enabled && p.forward == Forward::Detached && p.detached_via.is_none()).count()
     }
 
     /// The policy for a request: the first rule that matches, else the base policy.
@@ -689,6 +706,7 @@ impl Policy {
             }
             // 0 would mean no timeout: a stalled upstream would hold its key for ever.
             "upstream_timeout_ms" => self.upstream_timeout_ms = int(f, v, 0, MAX_MS)?,
+            "detached_via" => self.detached_via = Some(detached_via(f, v)?),
             _ => return Ok(false),
         }
         Ok(true)
@@ -805,6 +823,15 @@ fn etcd(f: &str, map: &serde_json::Map<String, Value>, notices: &mut Vec<String>
         local_replays,
         write_budget_bytes,
     }))
+}
+
+/// `detached_via`: an Envoy cluster's name, 1 to 255 bytes.
+fn detached_via(f: &str, v: &Value) -> Result<String, ConfigError> {
+    let name = string(f, v)?;
+    if name.is_empty() || name.len() > 255 {
+        return Err(err(f, format!("expected a cluster name of 1 to 255 bytes, got {name:?}")));
+    }
+    Ok(name.to_string())
 }
 
 /// `clusters`: 1 to `MAX_ETCD_CLUSTERS` distinct, non-empty names.
@@ -1049,6 +1076,8 @@ mod tests {
             (r#"{"release_statuses":[99]}"#, "release_statuses[0]"),
             (r#"{"on_conflict":"queue"}"#, "on_conflict"),
             (r#"{"forward":"proxy"}"#, "forward"),
+            (r#"{"detached_via":""}"#, "detached_via"),
+            (r#"{"detached_via":7}"#, "detached_via"),
             (r#"{"store":{"kind":"redis"}}"#, "store.kind"),
             (r#"{"store":{"kind":"shared_data","x":1}}"#, "store.x"),
             (r#"{"store":{}}"#, "store.kind"),
@@ -1304,5 +1333,24 @@ mod tests {
         assert!(parse("[]").is_err());
         assert!(parse("{").is_err());
         assert!(parse("\"x\"").is_err());
+    }
+
+    /// What configure tells (a warning and `config_detached_unrouted`): the policies whose
+    /// detached calls skip the route's behaviour; router, observe and disabled ones do not.
+    #[test]
+    fn policies_detached_without_a_route_are_counted() {
+        assert_eq!(parse("{}").unwrap().detached_unrouted(), 1);
+        assert_eq!(parse(r#"{"detached_via":"inner"}"#).unwrap().detached_unrouted(), 0);
+        assert_eq!(parse(r#"{"forward":"router"}"#).unwrap().detached_unrouted(), 0);
+        assert_eq!(parse(r#"{"mode":"observe"}"#).unwrap().detached_unrouted(), 0);
+        let c = parse(
+            r#"{"detached_via":"inner","routes":[
+                {"match":{"prefix":"/a"},"forward":"router"},
+                {"match":{"prefix":"/b"},"enabled":false}]}"#,
+        )
+        .unwrap();
+        assert_eq!((c.detached_unrouted(), c.policy(1).detached_via.as_deref()), (0, Some("inner")));
+        let c = parse(r#"{"forward":"router","routes":[{"match":{"prefix":"/a"},"forward":"detached"}]}"#).unwrap();
+        assert_eq!(c.detached_unrouted(), 1);
     }
 }

@@ -104,6 +104,8 @@ pub enum Gauge {
     ConfigBuckets,
     ConfigBucketShareBytes,
     ConfigMaxResponseBytes,
+    /// Policies whose detached calls skip the route's behaviour (no `detached_via`).
+    ConfigDetachedUnrouted,
     /// The share of the table's live entries, and of its stored bytes, held by the caller
     /// holding the most entries, in thousandths; counted by the sweep, one pass at a time.
     HeaviestCallerEntries,
@@ -113,7 +115,7 @@ pub enum Gauge {
 }
 
 impl Gauge {
-    pub const ALL: [Gauge; 11] = [
+    pub const ALL: [Gauge; 12] = [
         Gauge::InProgress,
         Gauge::Completed,
         Gauge::StoredBytes,
@@ -122,6 +124,7 @@ impl Gauge {
         Gauge::ConfigBuckets,
         Gauge::ConfigBucketShareBytes,
         Gauge::ConfigMaxResponseBytes,
+        Gauge::ConfigDetachedUnrouted,
         Gauge::HeaviestCallerEntries,
         Gauge::HeaviestCallerBytes,
         Gauge::WriteBudgetUsed,
@@ -137,6 +140,7 @@ impl Gauge {
             Gauge::ConfigBuckets => "idempotency.config_buckets",
             Gauge::ConfigBucketShareBytes => "idempotency.config_bucket_share_bytes",
             Gauge::ConfigMaxResponseBytes => "idempotency.config_max_response_bytes",
+            Gauge::ConfigDetachedUnrouted => "idempotency.config_detached_unrouted",
             Gauge::HeaviestCallerEntries => "idempotency.heaviest_caller_entries_permille",
             Gauge::HeaviestCallerBytes => "idempotency.heaviest_caller_bytes_permille",
             Gauge::WriteBudgetUsed => "idempotency.write_budget_used_bytes",

@@ -415,6 +415,8 @@ def static_cluster(name, port, connect_timeout_s=1, http2=False, host=LOCALHOST)
 def point_clusters(bootstrap, ports):
     """Moves each one-endpoint cluster of a shipped config to `ports[cluster name]`."""
     for c in bootstrap["static_resources"]["clusters"]:
+        if c["name"] not in ports and "envoy_internal_address" in json.dumps(c):
+            continue  # an internal listener's cluster has no port
         (locality,) = c["load_assignment"]["endpoints"]
         (endpoint,) = locality["lb_endpoints"]
         endpoint["endpoint"]["address"]["socket_address"]["port_value"] = ports[c["name"]]
@@ -449,10 +451,15 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
                  vm_id="idempotency", with_plugin=True, extra_clusters=None,
                  extra_filters=None, wasm=None, buffer_limit_bytes=None,
                  allow_on_headers_stop_iteration=True, node=None, upstream_http2=False,
-                 access_log=None, hcm_extra=None):
+                 access_log=None, hcm_extra=None, virtual_hosts=None, internal_router=False,
+                 internal_virtual_hosts=None):
     """The bootstrap as a dict; see envoy_yaml (`upstream_http2`: a gRPC upstream;
     `access_log`: a file for the listener's access log, in ACCESS_LOG_FORMAT; `hcm_extra`:
-    more fields of the HTTP connection manager, e.g. `tracing`)."""
+    more fields of the HTTP connection manager, e.g. `tracing`; `virtual_hosts`: this list
+    instead of one catch-all host (`internal_virtual_hosts`: the internal listener's, if not
+    the same); `internal_router`: an internal listener with the same
+    routes and no plugin, reached through the cluster `idem_internal`, for `detached_via`,
+    as the shipped configs have it, docs/deployment.md)."""
     filters = []
     if with_plugin and plugin_config is not None:
         filters.append(wasm_filter(plugin_config, vm_id=vm_id, wasm=wasm,
@@ -463,6 +470,8 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
     routes = list(extra_routes or []) + [{
         "match": {"prefix": "/"},
         "route": {"cluster": cluster_name, "timeout": f"{route_timeout_s}s"}}]
+    if virtual_hosts is None:
+        virtual_hosts = [{"name": "all", "domains": ["*"], "routes": routes}]
     listener = {
         "name": "ingress",
         "address": {"socket_address": {"address": LOCALHOST, "port_value": listener_port}},
@@ -472,8 +481,7 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
                 "@type": "type.googleapis.com/envoy.extensions.filters.network."
                          "http_connection_manager.v3.HttpConnectionManager",
                 "stat_prefix": "ingress",
-                "route_config": {"name": "local", "virtual_hosts": [
-                    {"name": "all", "domains": ["*"], "routes": routes}]},
+                "route_config": {"name": "local", "virtual_hosts": virtual_hosts},
                 "http_filters": filters,
                 **({"access_log": [file_access_log(access_log)]} if access_log else {}),
                 **(hcm_extra or {}),
@@ -482,12 +490,63 @@ def envoy_config(listener_port, admin_port, upstream_port, plugin_config, *,
     if buffer_limit_bytes is not None:
         listener["per_connection_buffer_limit_bytes"] = buffer_limit_bytes
     clusters = [static_cluster(cluster_name, upstream_port, http2=upstream_http2)] + list(extra_clusters or [])
+    listeners = [listener]
+    extensions = {}
+    if internal_router:
+        listeners.append(internal_listener(internal_virtual_hosts or virtual_hosts))
+        clusters.append(internal_cluster(http2=upstream_http2))
+        extensions = {"bootstrap_extensions": [INTERNAL_LISTENER_EXTENSION]}
     return {
+        **extensions,
         "admin": {"address": {"socket_address": {"address": LOCALHOST,
                                                  "port_value": admin_port}}},
-        "static_resources": {"listeners": [listener], "clusters": clusters},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
         **({"node": node} if node else {}),
     }
+
+
+INTERNAL_LISTENER_EXTENSION = {
+    "name": "envoy.bootstrap.internal_listener",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.bootstrap."
+                              "internal_listener.v3.InternalListener"}}
+
+
+def internal_listener(virtual_hosts, name="idem_internal"):
+    """An internal listener whose HTTP connection manager has `virtual_hosts` and the router
+    only: where `detached_via` sends detached calls, so that the route applies to them."""
+    return {
+        "name": name,
+        "internal_listener": {},
+        "per_connection_buffer_limit_bytes": 4 << 20,
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                         "http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": name,
+                "route_config": {"name": "local", "virtual_hosts": virtual_hosts},
+                "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+            }}]}],
+    }
+
+
+def internal_cluster(name="idem_internal", http2=False):
+    """The cluster whose endpoint is the internal listener `name`."""
+    cluster = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"envoy_internal_address": {
+                "server_listener_name": name}}}}]}]},
+    }
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}}
+    return cluster
 
 
 # The access log line the shipped Envoy configs write (envoy/*.yaml): the plugin's decision
@@ -579,7 +638,8 @@ class Envoy:
         if self.bootstrap is not None:
             self.admin_port = self.bootstrap["admin"]["address"]["socket_address"]["port_value"]
             self.ports = [lst["address"]["socket_address"]["port_value"]
-                          for lst in self.bootstrap["static_resources"]["listeners"]]
+                          for lst in self.bootstrap["static_resources"]["listeners"]
+                          if "address" in lst]
             self.port = self.ports[0]
             self._start_once()
             return self

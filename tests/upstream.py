@@ -7,6 +7,7 @@ arrival (after its body is read, before any delay) under its raw `Idempotency-Ke
 
 Request headers drive the answer:
   x-delay-ms: N      sleep N ms before answering
+  x-status-first: N  answer the key's first effect with status N (a route's retries)
   x-status: N        answer with status N (default 201 for writes, 200 for GET)
   x-body-bytes: N    answer with exactly N bytes of a pattern that names the effect
   x-set-cookie: a,b  one `set-cookie` header per comma-separated value
@@ -61,12 +62,15 @@ class EffectStore:
             self.largest_token = {}
             self.log = collections.deque(maxlen=LOG_LIMIT)
 
-    def count_effect(self, key, method, path, status):
-        """Record one effect; returns (its 1-based number for this key, its log entry)."""
+    def count_effect(self, key, method, path, status, headers=None):
+        """Record one effect; returns (its 1-based number for this key, its log entry).
+        `headers`: the request's headers as received (name lowercased, repeated values
+        joined with ", "), kept in the entry with the body's length."""
         with self.lock:
             self.effects[key] += 1
             entry = {"key": key, "effect": self.effects[key], "status": status,
-                     "t": time.time(), "method": method, "path": path, "outcome": "pending"}
+                     "t": time.time(), "method": method, "path": path, "outcome": "pending",
+                     "headers": headers or {}}
             self.log.append(entry)
             return entry["effect"], entry
 
@@ -142,9 +146,15 @@ class Handler(BaseHTTPRequestHandler):
         if self.command == "GET":
             effect = self.server.store.current(key)
         else:
+            received = {}
+            for name, value in self.headers.items():
+                name = name.lower()
+                received[name] = f"{received[name]}, {value}" if name in received else value
+            if "x-status-first" in self.headers and self.server.store.current(key) == 0:
+                status = self.int_header("x-status-first", status)
             reset_status = 0 if self.headers.get("x-reset") == "1" else status
             effect, entry = self.server.store.count_effect(key, self.command, self.path,
-                                                           reset_status)
+                                                           reset_status, received)
         if self.headers.get("x-reset") == "1":
             self.reset_connection()
             self.server.store.finish(entry, "reset")

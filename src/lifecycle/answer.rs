@@ -27,16 +27,18 @@ pub(super) enum Next {
 pub(super) struct LazyOutbound<'a> {
     host: Option<&'a dyn Host>,
     parts: Option<(Option<HeaderMap>, Vec<u8>)>,
+    /// The policy's `detached_via`.
+    via: Option<&'a str>,
 }
 
 impl LazyOutbound<'_> {
     pub(super) fn none() -> LazyOutbound<'static> {
-        LazyOutbound { host: None, parts: None }
+        LazyOutbound { host: None, parts: None, via: None }
     }
 
     fn take(&mut self) -> Option<Outbound> {
         let (headers, body) = self.parts.take()?;
-        request::outbound(self.host?, headers, body)
+        request::outbound(self.host?, headers, body, self.via)
     }
 }
 
@@ -68,7 +70,8 @@ impl<S: Store> Lifecycle<S> {
             _buffered: None,
             group: crate::budget::Group::UNKNOWN,
         });
-        let mut lazy = LazyOutbound { host: Some(host), parts: Some((headers, body)) };
+        let mut lazy =
+            LazyOutbound { host: Some(host), parts: Some((headers, body)), via: policy.detached_via.as_deref() };
         if let Some(note) = self.note_mut(id) {
             note.key = Some(key);
             note.asked_ms = now;

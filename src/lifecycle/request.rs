@@ -171,8 +171,9 @@ pub struct Outbound {
 /// The request as the root would send it, if it can: detached forwarding applies (`headers`
 /// kept), the route names a cluster and every header value is UTF-8 (`dispatch_http_call`
 /// takes `&str`). Otherwise the router sends it, so nothing is altered. Read in the stream's
-/// own event: the route's cluster is a property of the stream.
-pub fn outbound(host: &dyn Host, headers: Option<HeaderMap>, body: Vec<u8>) -> Option<Outbound> {
+/// own event: the route's cluster is a property of the stream. `via` (`detached_via`): the
+/// cluster of the internal listener that routes it again, the route's behaviour applied.
+pub fn outbound(host: &dyn Host, headers: Option<HeaderMap>, body: Vec<u8>, via: Option<&str>) -> Option<Outbound> {
     let headers = headers?;
     let cluster = String::from_utf8(host.property(&["xds", "cluster_name"])?).ok()?;
     if cluster.is_empty() {
@@ -181,5 +182,6 @@ pub fn outbound(host: &dyn Host, headers: Option<HeaderMap>, body: Vec<u8>) -> O
     if !headers.is_text() {
         return None;
     }
+    let cluster = via.map_or(cluster, str::to_string);
     Some(Outbound { cluster, headers, body })
 }

@@ -86,6 +86,40 @@ pub(super) fn is_replay(reply: &Reply) -> bool {
     matches!(reply, Reply::Stored { replayed: true, .. })
 }
 
+/// docs/deployment.md: with `detached_via` the root sends a detached call to that cluster
+/// (an internal listener that routes it again), the client's request unchanged; a rule may
+/// name another, and a rule in router mode still lets the router send it.
+#[test]
+fn a_detached_call_goes_through_the_cluster_detached_via_names() {
+    let mut l = lifecycle(
+        r#"{"detached_via":"routed","routes":[
+            {"match":{"prefix":"/other"},"detached_via":"routed_other"},
+            {"match":{"prefix":"/plain"},"forward":"router"}]}"#,
+    );
+    send(&mut l, 1, &post("k", "{}"), 0);
+    l.on_wake(1);
+    let calls = dispatched(&l.take_effects());
+    let (_, request) = calls[0].clone();
+    assert_eq!(request.cluster, "routed");
+    assert_eq!(request.header(":path"), Some("/pay"));
+    assert_eq!(request.header("idempotency-key"), Some("k"));
+    let at = |path: &str, key: &str| {
+        let mut host = post(key, "{}");
+        host.request.retain(|(n, _)| n != ":path");
+        host.request.push((":path".into(), path.as_bytes().to_vec()));
+        host
+    };
+    let other = at("/other", "k2");
+    send(&mut l, 3, &other, 0);
+    l.on_wake(1);
+    let calls = dispatched(&l.take_effects());
+    assert_eq!(calls[0].1.cluster, "routed_other");
+    let plain = at("/plain", "k3");
+    let (flow, effects) = send(&mut l, 5, &plain, 0);
+    assert_eq!(flow, Flow::Continue, "the router sends it");
+    assert!(dispatched(&effects).is_empty());
+}
+
 #[test]
 fn detached_first_call_is_sent_by_the_root_stored_then_replayed() {
     let mut l = lifecycle("{}");

@@ -58,6 +58,12 @@ fn tell(config: &Config, bytes: &[u8]) {
     for notice in &config.notices {
         log::warn!("idempotency: {notice}");
     }
+    let unrouted = config.detached_unrouted();
+    if unrouted > 0 {
+        log::warn!(
+            "idempotency: {unrouted} of this configuration's policies send detached calls straight to the route's cluster: the route's rewrites, header rules, timeout and retries do not apply to them. Set detached_via to a cluster on an internal listener with the same routes (docs/deployment.md, \"Detached calls through the route\"), or forward: \"router\""
+        );
+    }
 }
 
 fn lifecycle(config: Config) -> Result<AnyLifecycle, String> {
