@@ -21,6 +21,7 @@ class GrpcUpstream:
     def __init__(self, port=0):
         self.lock = threading.Lock()
         self.effects = collections.Counter()
+        self.metadata = collections.defaultdict(list)  # per key, each call's metadata
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         handler = grpc.unary_unary_rpc_method_handler(self._pay)
         self.server.add_generic_rpc_handlers(
@@ -34,6 +35,7 @@ class GrpcUpstream:
         with self.lock:
             self.effects[key] += 1
             n = self.effects[key]
+            self.metadata[key].append(meta)
         time.sleep(int(meta.get("x-delay-ms", "0")) / 1000)
         context.set_trailing_metadata([("x-cost", "7")])
         status = meta.get("x-grpc-status")
@@ -45,6 +47,10 @@ class GrpcUpstream:
     def effects_of(self, key):
         with self.lock:
             return self.effects[key]
+
+    def metadata_of(self, key):
+        with self.lock:
+            return [dict(m) for m in self.metadata[key]]
 
     def stop(self):
         self.server.stop(0)

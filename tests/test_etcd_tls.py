@@ -70,7 +70,9 @@ def shipped_fleet_config(upstream_port, etcds, pki):
     with open(os.path.join(REPO_ROOT, "envoy", "envoy-fleet.yaml")) as f:
         doc = yaml.safe_load(f)
     doc["admin"]["address"]["socket_address"]["port_value"] = free_port()
-    (listener,) = doc["static_resources"]["listeners"]
+    # The ingress and the internal listener of detached_via (no address).
+    listener, internal = doc["static_resources"]["listeners"]
+    assert "internal_listener" in internal
     listener["address"]["socket_address"]["port_value"] = free_port()
     point_clusters(doc, {"demo_upstream": upstream_port, **{n: e.port for n, e in etcds.items()}})
     for c in doc["static_resources"]["clusters"]:

@@ -138,7 +138,8 @@ def shipped_grpc_config(upstream_port):
     with open(os.path.join(REPO_ROOT, "envoy", "envoy-grpc.yaml")) as f:
         doc = yaml.safe_load(f)
     doc["admin"]["address"]["socket_address"]["port_value"] = free_port()
-    front, loopback = doc["static_resources"]["listeners"]
+    front, loopback, internal = doc["static_resources"]["listeners"]
+    assert "internal_listener" in internal  # detached_via
     front["address"]["socket_address"]["port_value"] = free_port()
     loopback_port = free_port()
     loopback["address"]["socket_address"]["port_value"] = loopback_port
