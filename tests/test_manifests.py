@@ -31,7 +31,7 @@ DOCKER_PLUGIN_PATH = "/etc/envoy/idempotency.wasm"
 DOCKER_CONFIG_PATH = "/etc/envoy/envoy.yaml"
 
 # The plugin config of the demo (envoy.yaml and envoy-docker.yaml), as the brief fixes it.
-DEMO_PLUGIN_CONFIG = {"forward": "detached", "lease_ms": 10000, "retention_s": 86400,
+DEMO_PLUGIN_CONFIG = {"forward": "detached", "detached_via": "idem_internal", "lease_ms": 10000, "retention_s": 86400,
                       "capacity": 65536, "max_store_bytes": 134217728,
                       "scope_headers": ["authorization"], "missing_scope": "pass",
                       "namespace": "demo"}
@@ -94,8 +94,13 @@ def with_local_wasm(bootstrap, expected_filename):
     return copy_
 
 
+def outer_listeners(bootstrap):
+    """The listeners with an address; the others are internal (`detached_via`)."""
+    return [lst for lst in bootstrap["static_resources"]["listeners"] if "address" in lst]
+
+
 def listener_address(bootstrap):
-    (listener,) = bootstrap["static_resources"]["listeners"]
+    (listener,) = outer_listeners(bootstrap)
     sa = listener["address"]["socket_address"]
     return sa["address"], sa["port_value"]
 
@@ -115,7 +120,7 @@ def cluster_endpoint(bootstrap, name):
 
 
 def route_of(bootstrap):
-    (listener,) = bootstrap["static_resources"]["listeners"]
+    (listener,) = outer_listeners(bootstrap)
     (chain,) = listener["filter_chains"]
     (hcm,) = chain["filters"]
     (vhost,) = hcm["typed_config"]["route_config"]["virtual_hosts"]
@@ -124,7 +129,7 @@ def route_of(bootstrap):
 
 
 def http_filter_names(bootstrap):
-    (listener,) = bootstrap["static_resources"]["listeners"]
+    (listener,) = outer_listeners(bootstrap)
     (chain,) = listener["filter_chains"]
     (hcm,) = chain["filters"]
     return [f["name"] for f in hcm["typed_config"]["http_filters"]]
@@ -184,14 +189,43 @@ def test_compose_files_run_with_compose_v1_and_v2_and_name_their_images():
             assert match and match.group(1).endswith("_IMAGE"), (file, name, service["image"])
 
 
+ISTIO_FILES = ("wasmplugin.yaml", "envoyfilter-stop-iteration.yaml")
+INTERNAL_ROUTER = "idempotency-internal-router"
+# Objects kept commented out in a manifest, every line starting "#>" (wasmplugin.yaml must stay
+# one YAML document), read as `sed -n 's/^#> \{0,1\}//p' <file>` hands them to kubectl.
+COMPANION_LINE = re.compile(r"^#> ?")
+
+
+def manifest_documents(filename):
+    """(documents, companions): the objects of an Istio manifest, and those in its "#>" lines."""
+    with open(os.path.join(ISTIO_DIR, filename)) as f:
+        text = f.read()
+    documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    companion = "".join(COMPANION_LINE.sub("", line, count=1)
+                        for line in text.splitlines(True) if COMPANION_LINE.match(line))
+    return documents, [d for d in yaml.safe_load_all(companion) if d is not None]
+
+
+def the_object(documents, kind, name):
+    (found,) = [d for d in documents if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
 @pytest.fixture(scope="module")
 def wasmplugin():
-    return load_yaml(os.path.join(ISTIO_DIR, "wasmplugin.yaml"))
+    return the_object(manifest_documents("wasmplugin.yaml")[0], "WasmPlugin", "idempotency")
 
 
 @pytest.fixture(scope="module")
 def envoyfilter():
-    return load_yaml(os.path.join(ISTIO_DIR, "envoyfilter-stop-iteration.yaml"))
+    return the_object(manifest_documents("envoyfilter-stop-iteration.yaml")[0], "EnvoyFilter",
+                      "idempotency")
+
+
+@pytest.fixture(scope="module")
+def internal_router():
+    return the_object(manifest_documents("envoyfilter-stop-iteration.yaml")[0], "EnvoyFilter",
+                      INTERNAL_ROUTER)
 
 
 # --- a. the Envoy configs pass envoy --mode validate --------------------------------------
@@ -211,7 +245,9 @@ def test_docker_config_validates_with_local_paths(wasm, docker_yaml_doc):
     for cluster in bootstrap["static_resources"]["clusters"]:
         for locality in cluster["load_assignment"]["endpoints"]:
             for endpoint in locality["lb_endpoints"]:
-                endpoint["endpoint"]["address"]["socket_address"]["address"] = "127.0.0.1"
+                address = endpoint["endpoint"]["address"]
+                if "socket_address" in address:
+                    address["socket_address"]["address"] = "127.0.0.1"
     assert_valid(bootstrap, "envoy/envoy-docker.yaml")
 
 
@@ -258,6 +294,31 @@ def test_docker_config_matches_the_demo_config(envoy_yaml_doc, docker_yaml_doc):
     # Published ports reach a container through its own interface, not its loopback.
     assert listener_address(docker_yaml_doc) == ("0.0.0.0", 10000)
     assert admin_address(docker_yaml_doc) == ("0.0.0.0", 9901)
+
+
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-docker.yaml", "envoy-fleet.yaml",
+                                  "envoy-fleet-docker.yaml", "envoy-grpc.yaml"])
+def test_detached_calls_go_through_an_internal_listener_with_the_same_routes(name):
+    """docs/deployment.md: the plugin's `detached_via` names a cluster whose one endpoint is
+    an internal listener whose connection manager has the plugin's listener's routes and the
+    router only, and the bootstrap has the internal listener extension."""
+    bootstrap = load_yaml(os.path.join(ENVOY_DIR, name))
+    assert [e["name"] for e in bootstrap.get("bootstrap_extensions", [])] == [
+        "envoy.bootstrap.internal_listener"]
+    via = plugin_json(the_plugin(bootstrap))["detached_via"]
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    (locality,) = clusters[via]["load_assignment"]["endpoints"]
+    (endpoint,) = locality["lb_endpoints"]
+    inner = endpoint["endpoint"]["address"]["envoy_internal_address"]["server_listener_name"]
+    listeners = {lst["name"]: lst for lst in bootstrap["static_resources"]["listeners"]}
+    assert "internal_listener" in listeners[inner] and "address" not in listeners[inner]
+    (chain,) = listeners[inner]["filter_chains"]
+    (hcm,) = chain["filters"]
+    names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
+    assert names == ["envoy.filters.http.router"], "no idempotency filter on the hop"
+    outer = outer_listeners(bootstrap)[0]
+    outer_hcm = outer["filter_chains"][0]["filters"][0]["typed_config"]
+    assert hcm["typed_config"]["route_config"] == outer_hcm["route_config"], "the same routes"
 
 
 def load_demo_module():
@@ -376,6 +437,31 @@ def test_wasmplugin_matches_the_crd_schema(wasmplugin_validator, wasmplugin):
 
 def test_envoyfilter_matches_the_crd_schema(envoyfilter_validator, envoyfilter):
     assert schema_errors(envoyfilter_validator, envoyfilter) == []
+
+
+def test_istio_manifests_hold_these_objects():
+    """wasmplugin.yaml stays ONE YAML document (tests/test_scope.py reads it with safe_load),
+    its internal router commented out; envoyfilter-stop-iteration.yaml has both as documents;
+    the internal router is the same object in both."""
+    def names(objects):
+        return [(d["kind"], d["metadata"]["name"]) for d in objects]
+    wp_documents, wp_companions = manifest_documents("wasmplugin.yaml")
+    ef_documents, ef_companions = manifest_documents("envoyfilter-stop-iteration.yaml")
+    assert names(wp_documents) == [("WasmPlugin", "idempotency")]
+    assert names(wp_companions) == [("EnvoyFilter", INTERNAL_ROUTER)]
+    assert names(ef_documents) == [("EnvoyFilter", "idempotency"), ("EnvoyFilter", INTERNAL_ROUTER)]
+    assert ef_companions == []
+    assert wp_companions[0] == ef_documents[1]
+
+
+@pytest.mark.parametrize("filename", ISTIO_FILES)
+def test_every_istio_object_matches_its_crd_schema(wasmplugin_validator, envoyfilter_validator,
+                                                   filename):
+    validators = {"WasmPlugin": wasmplugin_validator, "EnvoyFilter": envoyfilter_validator}
+    documents, companions = manifest_documents(filename)
+    for doc in documents + companions:
+        assert doc.get("kind") in validators, (filename, doc.get("kind"))
+        assert schema_errors(validators[doc["kind"]], doc) == [], (filename, doc["metadata"])
 
 
 def set_path(doc, path, value):
@@ -507,6 +593,110 @@ def test_envoyfilter_is_the_wasmplugin_with_the_flag(envoyfilter, wasmplugin):
         "type_urls"]
 
 
+def added(objects, apply_to):
+    """{name: (EnvoyFilter, patch)} of the ADD patches of `apply_to` among objects."""
+    return {p["patch"]["value"]["name"]: (d, p) for d in objects if d["kind"] == "EnvoyFilter"
+            for p in d["spec"]["configPatches"]
+            if p["applyTo"] == apply_to and p["patch"]["operation"] == "ADD"}
+
+
+@pytest.mark.parametrize("filename", ISTIO_FILES)
+def test_detached_via_names_a_cluster_the_manifests_add(filename):
+    """The plugin's `detached_via` is a cluster an EnvoyFilter of the same file adds, for the
+    same workloads, whose endpoint is an internal listener it adds too: the gateway's routes
+    over RDS and the router only (the plugin is not on it)."""
+    documents, companions = manifest_documents(filename)
+    objects = documents + companions
+    (plugin,) = [d for d in documents if d["metadata"]["name"] == "idempotency"]
+    if plugin["kind"] == "WasmPlugin":
+        config = plugin["spec"]["pluginConfig"]
+        labels = plugin["spec"]["selector"]["matchLabels"]
+        context = "GATEWAY"  # istio: ingressgateway, matched as CLIENT (tested above)
+    else:
+        patches = envoyfilter_patches(plugin)
+        wasm_config = patches["EXTENSION_CONFIG"]["patch"]["value"]["typed_config"]["config"]
+        config = plugin_json(wasm_config)
+        labels = plugin["spec"]["workloadSelector"]["labels"]
+        context = patches["HTTP_FILTER"]["match"]["context"]
+    assert config.get("forward", "detached") == "detached"
+    via = config["detached_via"]
+    clusters, listeners = added(objects, "CLUSTER"), added(objects, "LISTENER")
+    assert via in clusters, f"{filename}: detached_via {via!r} is not added ({sorted(clusters)})"
+    owner, patch = clusters[via]
+    assert owner["spec"]["workloadSelector"]["labels"] == labels
+    assert owner["metadata"]["namespace"] == plugin["metadata"]["namespace"]
+    assert {p["match"]["context"] for p in owner["spec"]["configPatches"]} == {context}
+
+    cluster = patch["patch"]["value"]
+    assert cluster["type"] == "STATIC" and cluster["load_assignment"]["cluster_name"] == via
+    (locality,) = cluster["load_assignment"]["endpoints"]
+    (endpoint,) = locality["lb_endpoints"]
+    target = endpoint["endpoint"]["address"]["envoy_internal_address"]["server_listener_name"]
+    assert target in listeners, f"{filename}: {via} points to {target!r}, not added"
+    listener_owner, listener_patch = listeners[target]
+    assert listener_owner is owner
+    listener = listener_patch["patch"]["value"]
+    assert "internal_listener" in listener and "address" not in listener
+    (chain,) = listener["filter_chains"]
+    (hcm,) = chain["filters"]
+    assert hcm["name"] == "envoy.filters.network.http_connection_manager"
+    assert [f["name"] for f in hcm["typed_config"]["http_filters"]] == ["envoy.filters.http.router"]
+    rds = hcm["typed_config"]["rds"]
+    assert rds["route_config_name"] and "ads" in rds["config_source"]
+
+
+def internal_router_bootstrap(internal_router, inline_routes):
+    """The internal router's listener and cluster as Envoy gets them, in a static bootstrap with
+    the bootstrap extension as istio-proxy's has it (TypedStruct, buffer_size_kb 64). RDS as
+    written, over ADS (validate mode does not connect), or `inline_routes`: a route_config of
+    the RDS name."""
+    patches = {p["applyTo"]: copy.deepcopy(p["patch"]["value"])
+               for p in internal_router["spec"]["configPatches"]}
+    listener, cluster = patches["LISTENER"], patches["CLUSTER"]
+    upstream = "outbound|8080||api.default.svc.cluster.local"
+    clusters = [cluster, harness.static_cluster(upstream, 8080),
+                harness.static_cluster("xds-grpc", 15010, http2=True)]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    if inline_routes:
+        name = hcm.pop("rds")["route_config_name"]
+        hcm["route_config"] = {"name": name, "virtual_hosts": [{
+            "name": "api", "domains": ["*"], "routes": [{
+                "match": {"prefix": "/api/"},
+                "route": {"cluster": upstream, "prefix_rewrite": "/", "timeout": "30s",
+                          "retry_policy": {"retry_on": "connect-failure", "num_retries": 2}},
+                "response_headers_to_add": [{"header": {"key": "x-added", "value": "1"},
+                                             "append_action": "APPEND_IF_EXISTS_OR_ADD"}]}]}]}
+    return {
+        "bootstrap_extensions": [{"name": "envoy.bootstrap.internal_listener", "typed_config": {
+            "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+            "type_url": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3."
+                        "InternalListener",
+            "value": {"buffer_size_kb": 64}}}],
+        "node": {"id": "router~10.0.0.1~gw.istio-system~istio-system.svc.cluster.local",
+                 "cluster": "istio-ingressgateway"},
+        "dynamic_resources": {"ads_config": {
+            "api_type": "GRPC", "transport_api_version": "V3",
+            "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]}},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+        "static_resources": {"listeners": [listener], "clusters": clusters},
+    }
+
+
+@pytest.mark.parametrize("inline_routes", [False, True])
+def test_internal_router_validates_in_envoy(internal_router, inline_routes):
+    assert_valid(internal_router_bootstrap(internal_router, inline_routes),
+                 f"the internal router (inline routes: {inline_routes})")
+
+
+def test_internal_router_needs_the_bootstrap_extension(internal_router):
+    # What istio-proxy's bootstrap provides (Istio >= 1.16): without it Envoy refuses the listener.
+    bootstrap = internal_router_bootstrap(internal_router, True)
+    del bootstrap["bootstrap_extensions"]
+    ok, output = envoy_validate(bootstrap)
+    assert not ok and "InternalListener bootstrap extension is mandatory" in output, \
+        harness.tail(output)
+
+
 def agent_rewritten(envoyfilter):
     """The EnvoyFilter's ECDS resource and HTTP filter as Envoy gets them from istio-agent:
     the oci:// module fetched and named by a local path (here the built plugin)."""
@@ -527,7 +717,8 @@ def test_envoyfilter_wasm_config_validates_in_envoy(wasm, envoyfilter):
 
 def test_envoyfilter_serves_the_plugin_over_ecds(wasm, upstream, envoyfilter, tmp_path):
     """The two patches wired as in a gateway, with ECDS from a file instead of istiod: a
-    covered POST with a body is claimed and replayed (it hangs without the flag)."""
+    covered POST with a body is claimed and replayed (it hangs without the flag). With the
+    internal listener and cluster that `detached_via` names (the harness's, same routes)."""
     ext, flt = agent_rewritten(envoyfilter)
     ecds = tmp_path / "ecds.yaml"
     ecds.write_text(json.dumps({"resources": [
@@ -539,7 +730,8 @@ def test_envoyfilter_serves_the_plugin_over_ecds(wasm, upstream, envoyfilter, tm
     # As in a gateway: Istio's jwt_authn (RequestAuthentication) before the plugin.
     bootstrap = harness.envoy_config(port, admin_port, upstream.port, None, with_plugin=False,
                                      extra_filters=[istio_jwt_authn_filter(), flt],
-                                     node={"id": "gateway", "cluster": "gateway"})  # ECDS needs it
+                                     node={"id": "gateway", "cluster": "gateway"},  # ECDS needs it
+                                     internal_router=True)
     envoy = harness.Envoy(None, upstream.port, bootstrap=bootstrap, log_level="warning")
     try:
         headers = {"Idempotency-Key": "gw-1", "content-type": "application/json",

@@ -26,7 +26,8 @@ def istio_plugin_config(**overrides):
 
 def behind_istio_authn(make_envoy, upstream, plugin_config):
     """Envoy with jwt_authn as istiod builds it from a RequestAuthentication, then the plugin."""
-    return make_envoy(plugin_config, upstream.port, with_plugin=False,
+    # The manifest's detached_via names the internal listener its EnvoyFilter adds.
+    return make_envoy(plugin_config, upstream.port, with_plugin=False, internal_router=True,
                       extra_filters=[istio_jwt_authn_filter(), wasm_filter(plugin_config)])
 
 

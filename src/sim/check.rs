@@ -4,7 +4,7 @@
 use std::fmt;
 
 /// Every invariant, with what it asserts.
-pub const INVARIANTS: [(&str, &str); 26] = [
+pub const INVARIANTS: [(&str, &str); 27] = [
     ("duplicate_effect", "a key's work reaches the upstream again (two effects under one claim, or a later claim's while the earlier may run or after it completed) with no excuse: released, passed on an unavailable store, orphaned, or a lease its owner could not have kept"),
     ("unclaimed_effect", "a request reaches the upstream while the store holds no claim of its VM's for its key, and no store failure lets it pass"),
     ("held_duplicate_forwarded", "a request whose store read said its key was in progress or done is sent upstream without a claim"),
@@ -13,6 +13,7 @@ pub const INVARIANTS: [(&str, &str); 26] = [
     ("replay_differs", "a replay is not the stored answer of a completed call of the same key and caller (status, body, gRPC status)"),
     ("cross_scope", "a replay carries another caller's answer"),
     ("answer_crossed", "a request gets the upstream answer of another request"),
+    ("detached_unrouted", "a detached call goes anywhere but the route's internal listener (detached_via)"),
     ("unanswered", "a client that stayed got no answer by the end of the run"),
     ("answered_late", "a client that stayed got its answer later than the bound"),
     ("locked_without_owner", "a 409 in progress while the store holds no mark of the key, or its owner is not at work (running, answered lately, orphaned, on its way) and no fault of its VM explains it"),

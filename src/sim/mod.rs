@@ -130,6 +130,9 @@ impl Combo {
             format!("\"max_response_bytes\":{}", MAX_RESPONSE_BYTES),
             format!("\"on_conflict\":\"{}\"", if self.wait { "wait" } else { "reject" }),
             format!("\"forward\":\"{}\"", if self.forward == Forward::Router { "router" } else { "detached" }),
+            // Detached calls travel through the route's internal listener (docs/deployment.md):
+            // one more hop, modelled by the world (`World::hop`).
+            format!("\"detached_via\":\"{HOP_CLUSTER}\""),
         ];
         if self.fencing {
             fields.push(format!("\"fencing_header\":\"{FENCE_HEADER}\""));
@@ -155,6 +158,8 @@ impl Combo {
 pub const LEASE_MS: u64 = 3_000;
 pub const WAIT_MAX_MS: u64 = 1_500;
 pub const UPSTREAM_TIMEOUT_MS: u64 = 6_000;
+/// The cluster of the internal listener detached calls go through (`detached_via`).
+pub const HOP_CLUSTER: &str = "idem_internal";
 pub const MAX_RESPONSE_BYTES: usize = 2_048;
 /// Small enough that a run's busiest caller meets it now and then: the 429 path runs too.
 pub const WRITE_BUDGET_BYTES: u64 = 1_500;

@@ -253,6 +253,12 @@ pub struct World {
     pub(super) combo: Combo,
     config: String,
     rng: Rng,
+    /// The internal listener's hop of detached calls, drawn apart (so that a seed's other
+    /// draws do not depend on it): per mille of calls it fails before the upstream got them
+    /// (the inner router's own 503), and after (the route's timeout: a 504 from the hop
+    /// while the upstream works on).
+    hop: Rng,
+    hop_fail: (u64, u64),
     queue: Queue<Ev>,
     pub(super) now: u64,
     skews: Vec<u64>,
@@ -316,6 +322,8 @@ impl World {
             combo,
             config,
             rng,
+            hop: Rng::new(0),
+            hop_fail: (0, 0),
             queue: Queue::new(),
             now: 0,
             skews,
@@ -356,6 +364,11 @@ impl World {
             let at = w.rng.range(0, HORIZON_MS / 2);
             w.queue.push(at, Ev::Send { client: c as usize });
         }
+        let mut hop = Rng::new(seed ^ 0x0B0F_4A11);
+        if hop.chance(300) {
+            w.hop_fail = (hop.range(5, 60), hop.range(5, 60));
+        }
+        w.hop = hop;
         // Drawn apart, so that the rest of a seed's run does not depend on it.
         let mut update = Rng::new(seed ^ 0xC0F1_6A7E);
         if update.chance(300) {
@@ -1210,6 +1223,9 @@ impl World {
 
     fn detached_send(&mut self, vm: usize, n: u64, request: CallRequest) {
         let CallKind::Http { headers } = &request.kind else { return };
+        if request.cluster != super::HOP_CLUSTER {
+            self.check.fail("detached_unrouted", self.now, format!("a detached call to {:?}", request.cluster));
+        }
         let pairs: Headers =
             headers.iter().map(|(n, v)| (String::from_utf8_lossy(n).into_owned(), v.to_vec())).collect();
         let Some(r) = sim_req(&request) else {
@@ -1282,6 +1298,15 @@ impl World {
             self.flights[f].state = FlightState::Done { storable: false }; // reset before it got there
             return;
         }
+        let hop = self.flights[f].call.is_some();
+        if hop && self.hop.chance(self.hop_fail.0) {
+            // The internal listener's router could not reach the upstream: its own 503,
+            // which comes back through the hop as an answer.
+            self.flights[f].answer = plain(503, b"no healthy upstream".to_vec());
+            self.log(|| format!("flight {f}: the hop failed before the upstream"));
+            self.queue.push(self.now + 1, Ev::UpstreamAnswer { flight: f });
+            return;
+        }
         let key = self.flights[f].key;
         let protected = self.judge_fence(f);
         if let (true, Some(token)) = (self.combo.fencing, self.flights[f].fence) {
@@ -1297,6 +1322,14 @@ impl World {
         self.flights[f].effect = true;
         self.judge_effect(f, protected);
         let (answer, storable, latency) = self.plan(f);
+        let (answer, storable, latency) = if hop && latency > 1 && self.hop.chance(self.hop_fail.1) {
+            // The route's timeout ends the hop while the upstream works on: a 504 from the
+            // internal listener, an answer to the plugin (it releases the key).
+            self.log(|| format!("flight {f}: the hop timed out after the upstream got it"));
+            (plain(504, b"upstream request timeout".to_vec()), false, latency / 2)
+        } else {
+            (answer, storable, latency)
+        };
         self.flights[f].answer = answer;
         self.flights[f].latency = latency;
         self.log(|| format!("flight {f} effect on key {key:?}; answers in {latency} ms (storable {storable})"));
