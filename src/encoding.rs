@@ -151,6 +151,19 @@ impl Bucket {
         Ok(Glance { state, deadline_ms: u64_at(DEADLINE_AT), since_ms, caller })
     }
 
+    /// The bytes entry `i` holds in the bucket's budget: its stored response's size when it is
+    /// completed with a body, else 0 (a corrupt state counts 0: `entry` refuses it when read).
+    pub fn stored_bytes(&self, i: usize) -> u64 {
+        let Ok(raw) = self.raw_entry(i) else { return 0 };
+        match raw.first().copied().and_then(State::from_byte) {
+            Some(state) if state.is_completed() => {
+                let at = SINCE_AT + 8;
+                raw.get(at..at + 4).map_or(0, |b| b.iter().rev().fold(0u64, |n, x| n << 8 | u64::from(*x)))
+            }
+            _ => 0,
+        }
+    }
+
     /// Whether entry `i`'s key tag is `key` (`bytes::equal`: LLVM expands a 16-byte `==` into
     /// byte-swapped loads, two dozen Wasm instructions a word, and `find_key` runs it 64 times).
     pub fn key_is(&self, i: usize, key: &KeyTag) -> bool {
@@ -510,6 +523,20 @@ mod tests {
         assert_eq!(b2.entry(ENTRIES - 1).unwrap(), entry(State::Completed));
         assert_eq!(b2.entry(0).unwrap(), Entry::FREE);
         assert!(b2.entry(ENTRIES).is_err());
+    }
+
+    /// `stored_bytes` reads what `entry` decodes, without decoding: a completed entry's size,
+    /// 0 for the others.
+    #[test]
+    fn a_glance_at_the_stored_bytes_agrees_with_the_entry() {
+        let mut b = Bucket::empty();
+        b.set_entry(1, &Entry { bytes: 0x0102_0304, ..entry(State::Completed) });
+        b.set_entry(2, &entry(State::CompletedNoBody));
+        b.set_entry(3, &entry(State::InProgress));
+        assert_eq!(b.stored_bytes(1), 0x0102_0304);
+        assert_eq!(b.stored_bytes(1), u64::from(b.entry(1).unwrap().bytes));
+        assert_eq!(b.stored_bytes(2), 55, "as make_room counts it (the table writes 0 for no body)");
+        assert_eq!((b.stored_bytes(0), b.stored_bytes(3), b.stored_bytes(ENTRIES)), (0, 0, 0));
     }
 
     #[test]

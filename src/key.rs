@@ -105,7 +105,19 @@ impl StoreKey {
 
     /// A short hex form for logs (never the raw key).
     pub fn short(&self) -> String {
-        self.0.iter().take(6).map(|b| format!("{b:02x}")).collect()
+        let mut out = String::with_capacity(12);
+        self.push_short(&mut out);
+        out
+    }
+
+    /// Appends [`StoreKey::short`] to `out`. Written by hand: every decision record carries it,
+    /// and `format!` per byte cost a replay about a tenth of its Wasm work (docs/performance.md).
+    pub fn push_short(&self, out: &mut String) {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        for b in self.0.iter().take(6) {
+            out.push(char::from(HEX.get(usize::from(b >> 4)).copied().unwrap_or(b'0')));
+            out.push(char::from(HEX.get(usize::from(b & 15)).copied().unwrap_or(b'0')));
+        }
     }
 }
 

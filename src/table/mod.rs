@@ -450,6 +450,12 @@ fn make_room(
     Ok(Room { made: total + needed <= budget, freed })
 }
 
+/// Whether `needed` more bytes fit the bucket's budget beside what its other entries hold.
+fn fits_without_room(bucket: &Bucket, own: usize, needed: u64, budget: u64) -> bool {
+    let held = (0..ENTRIES).filter(|i| *i != own).fold(0u64, |sum, i| sum.saturating_add(bucket.stored_bytes(i)));
+    held.saturating_add(needed) <= budget
+}
+
 /// A claim decided on a bucket, about to be written.
 struct Claiming<'a> {
     bucket_id: u32,
@@ -752,26 +758,28 @@ impl<S: SharedKv> Table<S> {
             }
             let mut change = Change { in_progress: -1, completed: 1, bytes: bytes as i64, ..Change::default() };
             let budget = self.layout.bucket_bytes;
-            let (mut trial, mut trial_change) = (bucket.clone(), change);
-            let room = make_room(
-                &mut trial,
-                bucket_id,
-                index,
-                entry.caller,
-                bytes,
-                budget,
-                now_ms,
-                self.window_ms,
-                &mut trial_change,
-            )?;
-            let mut freed = Vec::new();
-            if room.made {
-                (bucket, change, freed) = (trial, trial_change, room.freed);
-            } else {
-                // Only answers inside their replay window are left to take room from: the key
-                // completes without its response rather than evict one (docs/behaviour.md §3.4).
-                bytes = 0;
-                change.bytes = 0;
+            let (mut freed, mut dropped) = (Vec::new(), false);
+            // Most answers fit beside the others: no trial copy of the bucket to make room in.
+            if !fits_without_room(&bucket, index, bytes, budget) {
+                let (mut trial, mut trial_change) = (bucket.clone(), change);
+                let room = make_room(
+                    &mut trial,
+                    bucket_id,
+                    index,
+                    entry.caller,
+                    bytes,
+                    budget,
+                    now_ms,
+                    self.window_ms,
+                    &mut trial_change,
+                )?;
+                if room.made {
+                    (bucket, change, freed) = (trial, trial_change, room.freed);
+                } else {
+                    // Only answers inside their replay window are left to take room from: the
+                    // key completes without its response rather than evict one (docs/behaviour.md §3.4).
+                    (bytes, change.bytes, dropped) = (0, 0, true);
+                }
             }
             entry.state = if bytes > 0 { State::Completed } else { State::CompletedNoBody };
             entry.deadline_ms = now_ms.saturating_add(retention_ms);
@@ -783,7 +791,7 @@ impl<S: SharedKv> Table<S> {
                     cache.forget(slot);
                     self.free_data(slot, gen);
                 }
-                if !room.made {
+                if dropped {
                     self.free_data(t.slot, t.gen); // the response written first is not kept
                 }
                 return Ok(if bytes > 0 { Completed::Stored(change) } else { Completed::WithoutBody(change) });
