@@ -407,6 +407,9 @@ def main():
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated paths")
     ap.add_argument("--budget", help="host calls allowed per path, e.g. 'first call=22,replay=5.5': "
                     "exits 1 when the first build's count is over one (make test runs it)")
+    ap.add_argument("--fuel-budget", help="Wasm fuel allowed per path, e.g. 'replay=23000': exits 1 "
+                    "when the first build's fuel is over one; each figure must be written in "
+                    "CHANGELOG.md, so raising it takes a line there (make test runs it)")
     args = ap.parse_args()
     config = {"namespace": "abi", "forward": args.forward}
     if args.raw:
@@ -420,10 +423,11 @@ def main():
         if args.write_budget_bytes is not None:
             config["store"]["write_budget_bytes"] = args.write_budget_bytes
     try:
-        totals = report(args, config, etcd.port if etcd else None)
+        totals, fuel_totals = report(args, config, etcd.port if etcd else None)
     finally:
         if etcd:
             etcd.close()
+    failed = 0
     if args.budget:
         over = []
         for item in args.budget.split(","):
@@ -434,13 +438,37 @@ def main():
                 over.append(path.strip())
         if over:
             print(f"over the host-call budget: {', '.join(over)}")
-            return 1
-    return 0
+            failed = 1
+    if args.fuel_budget:
+        failed |= check_fuel_budget(args.fuel_budget, fuel_totals, args.store)
+    return failed
+
+
+def check_fuel_budget(spec, fuel_totals, store):
+    """Each path's fuel against its budget; a budget not written in the CHANGELOG (with its
+    digits grouped by commas, as `fuel budget, <store>: <path> <figure>`) is refused too, so
+    that raising one leaves a line that says why (docs/performance.md)."""
+    changelog = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "CHANGELOG.md")).read()
+    over, unwritten = [], []
+    for item in spec.split(","):
+        path, _, limit = item.rpartition("=")
+        path, limit = path.strip(), int(limit)
+        got = fuel_totals[path][0]
+        print(f"fuel budget {store} {path}: {got:,.0f} fuel, at most {limit:,}")
+        if got > limit:
+            over.append(path)
+        if f"fuel budget, {store}: {path} {limit:,}" not in changelog:
+            unwritten.append(f"fuel budget, {store}: {path} {limit:,}")
+    if over:
+        print(f"over the fuel budget: {', '.join(over)}")
+    if unwritten:
+        print("budgets not written in CHANGELOG.md: " + "; ".join(unwritten))
+    return 1 if over or unwritten else 0
 
 
 def report(args, config, etcd_port):
     names = [w.rsplit("/", 1)[-1] for w in args.wasm]
-    totals = {}
+    totals, fuel_totals = {}, {}
     print(f"forward: {args.forward}, store: {args.store}; per request, mean of {args.requests}")
     for path in [p for p in PATHS if p in args.paths.split(",")]:
         rows = [measure(w, config, path, args.requests, etcd_port) for w in args.wasm]
@@ -456,13 +484,14 @@ def report(args, config, etcd_port):
         for k in callbacks:
             print(f"| fuel in {k[len('proxy_'):]} | " + " | ".join(f"{r[1].get(k, 0):,.0f}" for r in rows) + " |")
         print("| **fuel (Wasm work)** | " + " | ".join(f"{sum(r[1].values()):,.0f}" for r in rows) + " |")
+        fuel_totals[path] = [sum(r[1].values()) for r in rows]
         if args.by_callback:
             for name, r in zip(names, rows):
                 print(f"\n{name}, host calls by callback:")
                 for (cb, call), v in sorted(r[3].items(), key=str):
                     print(f"  {cb[len('proxy_'):] if cb else '(outside)'}: {call[len('proxy_'):]} {v:.2f}")
 
-    return totals
+    return totals, fuel_totals
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -37,6 +37,8 @@ extern "C" {
     ) -> u32;
     #[link_name = "proxy_get_header_map_pairs"]
     fn raw_get_header_map_pairs(map_type: u32, map: *mut *mut u8, map_size: *mut usize) -> u32;
+    #[link_name = "proxy_set_property"]
+    fn raw_set_property(path: *const u8, path_size: usize, value: *const u8, value_size: usize) -> u32;
     #[link_name = "proxy_get_status"]
     fn raw_get_status(code: *mut u32, message: *mut *mut u8, message_size: *mut usize) -> u32;
 }
@@ -256,8 +258,13 @@ pub fn resume_response() -> bool {
 /// Makes `context_id` the stream that later calls act on; `false` when the stream is gone.
 /// The current stream's filter state `wasm.idempotency` (Envoy prefixes `wasm.`).
 pub fn set_filter_state(text: &str) {
-    if let Err(status) = hostcalls::set_property(vec!["idempotency"], Some(text.as_bytes())) {
-        log::debug!("filter state not set: {status:?}");
+    // The path as the ABI takes it (parts joined by NUL; one part here), not built per call
+    // as the SDK's `set_property` does: every covered request sets it.
+    const PATH: &[u8] = b"idempotency";
+    // SAFETY: both pointers are valid for their sizes during the call; the host copies them.
+    let status = unsafe { raw_set_property(PATH.as_ptr(), PATH.len(), text.as_ptr(), text.len()) };
+    if status != OK {
+        log::debug!("filter state not set: status {status}");
     }
 }
 
