@@ -14,6 +14,9 @@ Not a timed test: it prints ratios measured in one run.
 
     .venv/bin/python bench/ab.py replay 14 1 A.wasm B.wasm [...]   (mode, rounds, seconds)
 
+A build named `A.wasm@via` sends its detached calls through an internal listener with the same
+routes (`detached_via`, docs/deployment.md): `first 14 1 A.wasm A.wasm@via` measures the hop.
+
 Modes: replay, conflict, first (detached), router.
 """
 import os
@@ -37,12 +40,16 @@ def main():
         answer = answers[0] if mode == "replay" else answers[1]
         routes = [B.SLOW_ROUTE, B.to_cluster("upstream")]
         ports, listeners = {}, []
+        hop = False
         for i, wasm in enumerate(wasms):
             name = f"build{i}"
             ports[name] = B.free_port()
             conf = {"capacity": 262144, "namespace": f"ab{i}", "lease_ms": 2000}
             if mode == "router":
                 conf["forward"] = "router"
+            if wasm.endswith("@via"):
+                wasm, hop = wasm[:-len("@via")], True
+                conf["detached_via"] = "hop"
             listeners.append(B.listener(name, ports[name], routes, [B.plugin(conf, name, wasm)]))
         floor = {"first": "detach", "router": "buffer"}.get(mode, answer)
         least = {"replay": "least-kept-"}.get(mode, "least-") + floor
@@ -50,8 +57,15 @@ def main():
             ports[name] = B.free_port()
             listeners.append(B.listener(name, ports[name], routes, [B.control(control, B.CONTROL_WASM, name=name)]))
         clusters = [B.static_cluster("upstream", up.port), B.static_cluster("slow", slow.port)]
+        extra = {}
+        if hop:
+            import harness
+            listeners.append(harness.internal_listener([{"name": "all", "domains": ["*"], "routes": routes}], "hop"))
+            clusters.append(harness.internal_cluster("hop"))
+            extra = {"bootstrap_extensions": [harness.INTERNAL_LISTENER_EXTENSION]}
         workers = int(os.environ.get("AB_WORKERS", "1"))  # 2: as make bench, wrk sharing the cores
-        front = B.EnvoyProc("front", B.bootstrap(listeners, clusters), concurrency=workers, cpus="0" if workers == 1 else "0-1")
+        front = B.EnvoyProc("front", {**extra, **B.bootstrap(listeners, clusters)}, concurrency=workers,
+                            cpus="0" if workers == 1 else "0-1")
         key = f"ab-{os.urandom(4).hex()}"
         hold_ms = (rounds * seconds * len(ports) * 2 + 60) * 1000
         for i in range(len(wasms)):
