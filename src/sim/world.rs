@@ -26,6 +26,9 @@ const WORKERS: usize = 2;
 pub(super) const SCOPES: u64 = 2;
 pub(super) const KEYS: u64 = 3;
 const CLIENTS: u64 = 10;
+/// At most this many more clients, each under an identity of its own made up for one request
+/// (scopes from `SCOPES` on): what a hostile client does to fair share and the budgets.
+const INVENTED: u64 = 6;
 /// Traffic starts within this; faults fall within it too.
 const HORIZON_MS: u64 = 8_000;
 /// After the last client is done: leases expire, retries land, roots settle.
@@ -364,6 +367,17 @@ impl World {
             let at = w.rng.range(0, HORIZON_MS / 2);
             w.queue.push(at, Ev::Send { client: c as usize });
         }
+        // Invented identities, drawn apart like the hop: in a third of the runs, 2 to INVENTED
+        // clients, each a new caller sending one request of a key of its own.
+        let mut invent = Rng::new(seed ^ 0x1DE7_1717);
+        if invent.chance(333) {
+            for n in 0..invent.range(2, INVENTED) {
+                let c = w.clients.len();
+                let key = (SCOPES + n, invent.range(0, KEYS - 1));
+                w.clients.push(Client { key, variant: 0, attempts_left: 1 });
+                w.queue.push(invent.range(0, HORIZON_MS / 2), Ev::Send { client: c });
+            }
+        }
         let mut hop = Rng::new(seed ^ 0x0B0F_4A11);
         if hop.chance(300) {
             w.hop_fail = (hop.range(5, 60), hop.range(5, 60));
@@ -384,7 +398,7 @@ impl World {
         let config = Config::parse(combo.config_json(500).as_bytes()).ok();
         let layout = config.map(|c| crate::table::Layout::new(&c.namespace, c.capacity, c.max_store_bytes));
         let mut out = Vec::new();
-        for scope in 0..SCOPES {
+        for scope in 0..SCOPES + INVENTED {
             for key in 0..KEYS {
                 let store_key = Self::store_key((scope, key));
                 let locator = match (combo.is_etcd(), &layout) {
