@@ -158,8 +158,8 @@ def serve_upstream():
             with store.lock:
                 entry["t_answer"] = time.time()
 
-    def patched_count(self, key, method, path, status):
-        effect, entry = count_effect(self, key, method, path, status)
+    def patched_count(self, key, method, path, status, headers=None):
+        effect, entry = count_effect(self, key, method, path, status, headers)
         local.entry = entry
         return effect, entry
 
