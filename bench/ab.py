@@ -61,7 +61,7 @@ def main():
         if hop:
             import harness
             listeners.append(harness.internal_listener([{"name": "all", "domains": ["*"], "routes": routes}], "hop"))
-            clusters.append(harness.internal_cluster("hop"))
+            clusters.append(harness.internal_cluster("hop", http2=os.environ.get("AB_HOP_HTTP2") == "1"))
             extra = {"bootstrap_extensions": [harness.INTERNAL_LISTENER_EXTENSION]}
         workers = int(os.environ.get("AB_WORKERS", "1"))  # 2: as make bench, wrk sharing the cores
         front = B.EnvoyProc("front", {**extra, **B.bootstrap(listeners, clusters)}, concurrency=workers,
