@@ -404,11 +404,15 @@ def static_cluster(name, port, connect_timeout_s=1, http2=False, host=LOCALHOST)
             {"endpoint": {"address": {"socket_address": {
                 "address": host, "port_value": port}}}}]}]},
     }
-    if http2:
-        cluster["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}}}
+    return with_http2(cluster) if http2 else cluster
+
+
+def with_http2(cluster):
+    """`cluster` speaking HTTP/2 to its endpoints (gRPC needs it)."""
+    cluster["typed_extension_protocol_options"] = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}}
     return cluster
 
 
@@ -541,12 +545,7 @@ def internal_cluster(name="idem_internal", http2=False):
             {"endpoint": {"address": {"envoy_internal_address": {
                 "server_listener_name": name}}}}]}]},
     }
-    if http2:
-        cluster["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}}}
-    return cluster
+    return with_http2(cluster) if http2 else cluster
 
 
 # The access log line the shipped Envoy configs write (envoy/*.yaml): the plugin's decision
