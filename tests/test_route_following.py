@@ -288,3 +288,31 @@ def test_grpc_calls_follow_the_route_too(wasm, make_envoy):
         assert seen_by["router"] == seen_by["detached"], seen_by
     finally:
         service.stop()
+
+
+def test_the_filter_on_the_internal_listener_too_is_told_and_stores_nothing(upstream, wasm):
+    """A misconfiguration the plugin cannot see at configure: the idempotency filter on the
+    internal listener as well. It meets the outer claim and answers the hop 409 in progress;
+    the outer plugin releases the key instead of storing that 409, and says why in its log."""
+    from harness import Envoy, free_port, wasm_filter
+    port, admin = free_port(), free_port()
+    config = {"detached_via": "idem_internal"}
+    bootstrap = envoy_config(port, admin, upstream.port, config, internal_router=True,
+                             extra_clusters=[static_cluster("upstream_b", upstream.port)],
+                             virtual_hosts=routes())
+    internal = bootstrap["static_resources"]["listeners"][1]
+    hcm = internal["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"].insert(0, wasm_filter(config))
+    envoy = Envoy(None, upstream.port, bootstrap=bootstrap)
+    try:
+        key = new_key("loop")
+        first = post(envoy, key, path="/api/loop")
+        assert first.status == 409, describe(first)
+        assert upstream.effects(key) == 0
+        wait_until(lambda: "answered 409 in-progress by an idempotency filter" in envoy.log_text(),
+                   timeout=5, message="the warning")
+        assert plugin_counters(envoy).get("released", 0) >= 1
+        again = post(envoy, key, path="/api/loop")
+        assert not is_replay(again), "the 409 was stored and replayed"
+    finally:
+        envoy.stop()

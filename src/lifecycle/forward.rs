@@ -185,8 +185,14 @@ impl<S: Store> Lifecycle<S> {
         // is a broken answer.
         let grpc_failed = call.grpc
             && grpc::status_of(grpc::trailers_and_headers(&response)).is_none_or(|code| p.releases_grpc(code));
+        let looped = in_progress_of_an_idempotency_filter(&response);
+        if looped {
+            log::warn!(
+                "a detached call was answered 409 in-progress by an idempotency filter (is the plugin on the listener detached_via reaches?): the key is released, not completed with it"
+            );
+        }
         let response = match call.owner {
-            Some(owner) if grpc_failed || p.release_statuses.contains(response.status()) => {
+            Some(owner) if grpc_failed || looped || p.release_statuses.contains(response.status()) => {
                 self.release(owner, now);
                 if let Some(note) = self.note_mut(call.stream) {
                     note.outcome = Some("released");
@@ -526,4 +532,13 @@ impl<S: Store> Lifecycle<S> {
             None => Flow::Continue,
         }
     }
+}
+
+/// A 409 "in progress" of this plugin's own kind: the call met a claim, its own (the filter
+/// also on the internal listener `detached_via` reaches) or another gateway's, and did no
+/// work. Stored, it would replay a transient refusal for `retention_s`; released, the retry
+/// runs (docs/deployment.md).
+fn in_progress_of_an_idempotency_filter(response: &StoredResponse) -> bool {
+    const TYPE: &[u8] = b"urn:idempotency-filter:problem:in-progress";
+    response.status() == 409 && response.body().windows(TYPE.len()).any(|w| w == TYPE)
 }

@@ -120,6 +120,31 @@ fn a_detached_call_goes_through_the_cluster_detached_via_names() {
     assert!(dispatched(&effects).is_empty());
 }
 
+/// docs/deployment.md: the filter also on the internal listener answers the hop 409 in
+/// progress (it meets the outer claim). Stored, that 409 would replay for `retention_s`; the
+/// key is released instead, and the retry runs. Another 409 of the upstream is an answer.
+#[test]
+fn an_in_progress_409_of_an_idempotency_filter_releases_the_key() {
+    let mut l = lifecycle(r#"{"detached_via":"routed"}"#);
+    send(&mut l, 1, &post("k", "{}"), 0);
+    l.on_wake(1);
+    let (call, _) = dispatched(&l.take_effects())[0].clone();
+    let looped = r#"{"status":409,"type":"urn:idempotency-filter:problem:in-progress"}"#;
+    l.on_call_answer(&upstream_answer("409", looped), call, true, looped.len(), 2);
+    let effects = l.take_effects();
+    assert_eq!(count(&effects, Counter::Released), 1, "{effects:?}");
+    let (flow, effects) = send(&mut l, 3, &post("k", "{}"), 10);
+    assert_eq!(flow, Flow::Pause);
+    assert_eq!(count(&effects, Counter::Claimed), 1, "the retry runs: {effects:?}");
+    // The upstream's own 409 is an answer like any other: stored.
+    let mut l = lifecycle(r#"{"detached_via":"routed"}"#);
+    send(&mut l, 1, &post("k", "{}"), 0);
+    l.on_wake(1);
+    let (call, _) = dispatched(&l.take_effects())[0].clone();
+    l.on_call_answer(&upstream_answer("409", "already paid"), call, true, 12, 2);
+    assert_eq!(count(&l.take_effects(), Counter::Released), 0);
+}
+
 #[test]
 fn detached_first_call_is_sent_by_the_root_stored_then_replayed() {
     let mut l = lifecycle("{}");
