@@ -10,9 +10,15 @@ TARGET := wasm32-wasip1
 
 .PHONY: grpc fleet build run test tools unit e2e compose-test lint abi-budget setup clean fuzz image chaos bench bench-hostcalls sim sim-long previous mutants
 
+# The compiler rust-toolchain.toml pins (the fuel budgets count one build's instructions),
+# installed explicitly: a machine whose rustup does not install toolchains on its own still gets it.
+RUST_VERSION := $(shell sed -n 's/^channel = "\(.*\)"/\1/p' rust-toolchain.toml)
+
 build: $(WASM)
 
 $(WASM): Cargo.toml Cargo.lock $(shell find src -name '*.rs')
+	@rustup toolchain list 2>/dev/null | grep -q "^$(RUST_VERSION)-" || rustup toolchain install $(RUST_VERSION) \
+	  --profile minimal --component clippy,rustfmt --target $(TARGET)
 	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
 	cargo build --target $(TARGET) --release --lib
 	@mkdir -p dist
@@ -24,6 +30,8 @@ $(WASM): Cargo.toml Cargo.lock $(shell find src -name '*.rs')
 PREVIOUS_WASM := dist/idempotency-previous.wasm
 previous: $(PREVIOUS_WASM)
 $(PREVIOUS_WASM): compat/previous-release
+	@rustup toolchain list 2>/dev/null | grep -q "^$(RUST_VERSION)-" || rustup toolchain install $(RUST_VERSION) \
+	  --profile minimal --component clippy,rustfmt --target $(TARGET)
 	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
 	tools/build_release.sh $$(grep -v '^#' compat/previous-release | cut -d' ' -f2) $@
 
@@ -45,6 +53,8 @@ $(READY): tests/requirements.txt
 # installed when missing and run as root; otherwise named.
 # A Docker engine that does not answer is started (tools/dockerd.sh, as root) or the reason given.
 tools:
+	@rustup toolchain list 2>/dev/null | grep -q "^$(RUST_VERSION)-" || rustup toolchain install $(RUST_VERSION) \
+	  --profile minimal --component clippy,rustfmt --target $(TARGET)
 	@rustup target list --installed 2>/dev/null | grep -qx $(TARGET) || rustup target add $(TARGET)
 	@cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 	@cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
