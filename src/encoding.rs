@@ -15,6 +15,7 @@ const ENTRY_BYTES: usize = 1 + 8 + 16 + 16 + 8 + 8 + 4;
 const KEY_AT: usize = 1 + 8;
 const DEADLINE_AT: usize = KEY_AT + 16 + 16;
 const SINCE_AT: usize = DEADLINE_AT + 8;
+const BYTES_AT: usize = SINCE_AT + 8;
 /// Format 2: entries carry their age and size, buckets the last token they handed out.
 const BUCKET_MAGIC: [u8; 2] = [b'B', 2];
 const BUCKET_HEAD: usize = BUCKET_MAGIC.len() + 8;
@@ -156,10 +157,7 @@ impl Bucket {
     pub fn stored_bytes(&self, i: usize) -> u64 {
         let Ok(raw) = self.raw_entry(i) else { return 0 };
         match raw.first().copied().and_then(State::from_byte) {
-            Some(state) if state.is_completed() => {
-                let at = SINCE_AT + 8;
-                raw.get(at..at + 4).map_or(0, |b| b.iter().rev().fold(0u64, |n, x| n << 8 | u64::from(*x)))
-            }
+            Some(state) if state.is_completed() => u64::from(crate::bytes::u32_at(raw, BYTES_AT)),
             _ => 0,
         }
     }
