@@ -62,11 +62,6 @@ pub(super) enum Ev {
     Wake {
         vm: usize,
     },
-    /// Envoy refused to dispatch a call: the adapter says so at once.
-    CallFailed {
-        vm: usize,
-        call: CallId,
-    },
     EtcdArrive {
         cluster: usize,
         vm: usize,
@@ -98,7 +93,7 @@ impl Ev {
             Ev::Send { .. } | Ev::EtcdArrive { .. } | Ev::UpstreamArrive { .. } => return None,
             Ev::ConfigUpdate { envoy } => return Some((*envoy, None)),
             Ev::Deliver { req } | Ev::Leave { req } | Ev::StreamDone { req } => w.reqs.get(*req)?.vm,
-            Ev::Tick { vm } | Ev::Wake { vm } | Ev::EtcdAnswer { vm, .. } | Ev::CallFailed { vm, .. } => *vm,
+            Ev::Tick { vm } | Ev::Wake { vm } | Ev::EtcdAnswer { vm, .. } => *vm,
             Ev::UpstreamAnswer { flight } => w.flights.get(*flight)?.vm,
         };
         w.vms.get(vm).map(|v| (v.envoy, Some(vm)))
@@ -578,15 +573,6 @@ impl World {
                 self.carry_out(vm);
                 self.end_if_drained(vm);
             }
-            Ev::CallFailed { vm, call } => {
-                if self.root_gone(vm, "a refused call") {
-                    return;
-                }
-                let now = self.clock(vm);
-                self.vms[vm].lifecycle.on_call_failed(call, now);
-                self.carry_out(vm);
-                self.end_if_drained(vm);
-            }
             Ev::ConfigUpdate { envoy } => {
                 for vm in std::mem::take(&mut self.active[envoy]) {
                     self.log(|| format!("configuration update: vm {vm} drains"));
@@ -880,7 +866,11 @@ impl World {
                 if let CallId::Store(_) = call {
                     self.note_refused(vm, &request);
                 }
-                self.queue.push(self.now, Ev::CallFailed { vm, call });
+                // Envoy refuses within the dispatch itself, and the adapter tells the lifecycle
+                // there and then (plugin/vm.rs): before any other callback of the worker.
+                let now = self.clock(vm);
+                self.vms[vm].lifecycle.on_call_failed(call, now);
+                self.carry_out(vm);
             }
             Effect::Dispatch { call: CallId::Store(n), request } => self.etcd_send(vm, n, request),
             Effect::Dispatch { call: CallId::Upstream(n), request } => self.detached_send(vm, n, request),
