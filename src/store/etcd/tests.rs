@@ -1157,3 +1157,82 @@ fn a_late_claim_that_cannot_be_verified_is_cleaned_up() {
     }
     assert!(m.keys().iter().all(|k| !k.starts_with(b"/t/")), "the late claim's mark is still there");
 }
+
+/// A renewal that hangs while its mark's deadline nears has the ending tried beside it; when
+/// the ending lands first, the renewal's failed compare reads back this owner's completed
+/// entry: the completion is done, not lost (no false `owner_lost`, and the copy is kept).
+#[test]
+fn a_renewal_that_loses_the_race_to_its_own_ending_reports_the_completion_done() {
+    let (mut s, mut m) = (store(1), Model::new());
+    s.begin(For::Stream(1), &Claim { lease_ms: 3_000, ..claim("k") }, 0);
+    run(&mut s, &mut m, 0);
+    let Began::Claimed { owner, .. } = began(&mut s) else { panic!("not claimed") };
+    assert!(s.renew(owner, 3_000, 2_200).is_none());
+    let (renewal, renewal_request) = next_txn(&mut s, &mut m, 2_200); // hangs
+    assert!(s.complete(owner, Some(response("done")), RETENTION, 2_300).is_none());
+    assert!(s.poll_call().is_none(), "the ending waits behind the renewal");
+    s.tick(2_450); // the renewal hangs past HEDGE_MS, and the mark's deadline is near
+    let (ending, ending_request) = next_txn(&mut s, &mut m, 2_450);
+    let ending_answer = m.handle(&ending_request, 2_450); // applied, its answer not yet back
+    let renewal_answer = m.handle(&renewal_request, 2_460);
+    s.on_call_answer(renewal, &renewal_answer, 2_460);
+    assert!(matches!(completed(&mut s), Completed::Stored { .. }), "reported lost");
+    s.on_call_answer(ending, &ending_answer, 2_470);
+    assert!(answers(&mut s).is_empty(), "answered once");
+    assert!(s.is_idle());
+}
+
+/// Counters of a store behind `Shards` (several clusters) reach the metrics: a replay from
+/// a local copy is counted whichever cluster holds its key.
+#[test]
+fn a_sharded_stores_counters_are_polled() {
+    use super::shards::Shards;
+    let (a, _) = with_copies(1);
+    let (b, _) = with_copies(2);
+    let mut s = Shards::new(vec![("etcd_a".into(), a), ("etcd_b".into(), b)]);
+    let mut m = Model::new();
+    let serve = |s: &mut Shards, m: &mut Model, now| {
+        while let Some((n, request)) = s.poll_call() {
+            let answer = m.handle(&request, now);
+            s.on_call_answer(n, &answer, now);
+        }
+    };
+    for i in 0..8u32 {
+        let key = format!("k{i}");
+        s.begin(For::Stream(i), &claim(&key), 0);
+        serve(&mut s, &mut m, 0);
+        let Some((_, Answer::Began(Began::Claimed { owner, .. }))) = s.poll_answer() else { panic!("not claimed") };
+        s.complete(owner, Some(response("one")), RETENTION, 10);
+        serve(&mut s, &mut m, 10);
+        assert!(matches!(s.poll_answer(), Some((_, Answer::Completed(Completed::Stored { .. })))));
+        match s.begin(For::Stream(100 + i), &claim(&key), 20) {
+            Some(Answer::Began(Began::Replay(_))) => {}
+            other => panic!("{key} replays from its copy at once: {other:?}"),
+        }
+    }
+    let counts: Vec<Counter> = std::iter::from_fn(|| s.poll_count()).collect();
+    assert_eq!(counts, vec![Counter::LocalReplay; 8]);
+}
+
+/// A mark in the local copies is a copy being written, not work in progress: one left behind
+/// (its worker died between the two writes) is swept without moving the in-progress gauge.
+#[test]
+fn a_copy_left_half_written_is_swept_without_moving_the_in_progress_gauge() {
+    use super::replays::{LocalReplays, Replays};
+    use crate::table::{Layout, Table};
+    let kv: &'static crate::table::memory::MemoryKv = Box::leak(Box::default());
+    let layout = || Layout::new("t.replays", 64, 1 << 20);
+    let table = Table::new(kv, layout());
+    table.create().unwrap();
+    let other_worker = Table::new(kv, layout());
+    let c = claim("k");
+    assert!(matches!(other_worker.begin(&c.key, &c.fingerprint, 0, 1_000), Ok(crate::table::Begin::Claimed { .. })));
+    let mut copies = LocalReplays::new(table, 0, 0);
+    let mut in_progress = 0;
+    for t in 0..64 {
+        in_progress += copies.tick(5_000 + t).in_progress;
+    }
+    assert_eq!(in_progress, 0);
+    let again = Table::new(kv, layout());
+    assert!(matches!(again.begin(&c.key, &c.fingerprint, 6_000, 1_000), Ok(crate::table::Begin::Claimed { .. })));
+}
