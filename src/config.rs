@@ -402,7 +402,7 @@ impl Config {
                 *name == p.key_header || p.scope_headers.contains(name) || p.fingerprint_headers.contains(name)
             };
             if self.policies().any(reads)
-                || crate::lifecycle::is_hop_by_hop(name)
+                || crate::header_map::is_hop_by_hop(name)
                 || ["host", "content-length"].contains(&name.as_str())
             {
                 return Err(err("fencing_header", format!("{name:?} is a header the plugin or Envoy reads")));

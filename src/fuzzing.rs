@@ -81,7 +81,7 @@ pub fn entry(data: &[u8]) {
 /// An answer from etcd (the JSON gateway's or a gRPC message), and an etcd value (an entry
 /// of ours or a foreign one).
 pub fn etcd(data: &[u8]) {
-    use crate::store::etcd::protocol::Api;
+    use crate::store::etcd::api::Api;
     use crate::store::etcd::{grpc, json};
     for status in [200, 404, 503] {
         let _ = json::parse_txn(status, data);

@@ -5,6 +5,22 @@
 //! The form: the pair count (u32 LE), then each pair's name and value lengths (u32 LE each),
 //! then each name and each value followed by a NUL.
 
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and those Envoy recomputes for a local reply: never
+/// stored or replayed.
+pub fn is_hop_by_hop(name: &str) -> bool {
+    matches!(
+        name,
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "content-length"
+    ) || name.starts_with(':')
+}
+
 /// A serialized header map, checked once when it is made.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HeaderMap {

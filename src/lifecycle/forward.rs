@@ -8,6 +8,7 @@ use crate::budget::Reservation;
 use crate::defects::{planted, Defect};
 use crate::encoding::{StoredResponse, STORED_OVERHEAD};
 use crate::grpc;
+use crate::header_map::is_hop_by_hop;
 use crate::host::{Flow, Headers, Host};
 use crate::metrics::Counter;
 use crate::problem::Problem;
@@ -33,22 +34,6 @@ pub(super) struct Capture {
 enum Outcome {
     Answer(StoredResponse),
     NoAnswer { status: u16, reason: &'static str },
-}
-
-/// Hop-by-hop headers (RFC 9110 §7.6.1) and those Envoy recomputes for a local reply: never
-/// stored or replayed.
-pub fn is_hop_by_hop(name: &str) -> bool {
-    matches!(
-        name,
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "transfer-encoding"
-            | "te"
-            | "trailer"
-            | "upgrade"
-            | "content-length"
-    ) || name.starts_with(':')
 }
 
 /// The `:status` of a header map, 0 when absent or not a number.

@@ -24,7 +24,6 @@ pub mod inspect;
 mod tests;
 
 pub use effect::{CallId, Effect, Reply};
-pub use forward::is_hop_by_hop;
 pub use request::Outbound;
 
 use crate::caller::{Caller, TagKey};

@@ -7,7 +7,8 @@ use std::cell::{Cell, RefCell};
 use std::time::Duration;
 
 use super::hostcalls;
-use crate::lifecycle::{is_hop_by_hop, CallId, Effect, Reply};
+use crate::header_map::is_hop_by_hop;
+use crate::lifecycle::{CallId, Effect, Reply};
 use crate::metrics::{Counter, Gauge};
 use crate::store::{CallKind, CallRequest};
 

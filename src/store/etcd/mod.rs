@@ -15,6 +15,7 @@
 //! acknowledge are retried with backoff; a claim whose answer was lost (timeout) is cleaned up
 //! by a delete-if-value, retried likewise.
 
+pub mod api;
 mod claims;
 pub mod grpc;
 pub mod json;
@@ -42,7 +43,8 @@ use crate::encoding::{Entry, KeyTag, StoredResponse};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Counter;
-use protocol::{Api, Backoff, ErrorKind, EtcdError, Request, Target, Write};
+use api::Api;
+use protocol::{Backoff, ErrorKind, EtcdError, Request, Target, Write};
 use replays::Replays;
 
 /// Rounds of claim/takeover for one request before it is answered 503.

@@ -1,10 +1,8 @@
 //! What the etcd store asks of etcd and what it learns back, whatever the wire: the requests
 //! (one key's transaction, a read, a lease grant), the results, the errors the store acts on,
 //! and the backoff. [`super::json`] (the JSON gateway) and [`super::grpc`] (etcd's gRPC API)
-//! put them on the wire; the host adapter sends them from the root context.
-
-use crate::store::{CallAnswer, CallRequest};
-
+//! put them on the wire, [`super::api`] picks one; the host adapter sends them from the root
+//! context.
 /// The etcd key of a store key: `/<namespace>/<hex of the SHA-256 store key>`.
 pub fn key_name(namespace: &str, store_key: &[u8; 32]) -> Vec<u8> {
     let hex = |n: u8| if n < 10 { b'0' + n } else { b'a' + n - 10 };
@@ -83,9 +81,6 @@ impl Request {
     }
 }
 
-/// Which of etcd's client APIs the store speaks (configured: `store.api`).
-pub use crate::config::EtcdApi as Api;
-
 /// Headers that make Envoy send a call again, to another member of the cluster, when it
 /// could not connect to the one it chose or that member refused the stream: nothing reached
 /// etcd, so a write cannot apply twice. A member that stopped is still chosen until its
@@ -99,54 +94,6 @@ pub struct Target<'a> {
     pub cluster: &'a str,
     pub authority: &'a str,
     pub timeout_ms: u64,
-}
-
-impl Api {
-    pub fn call(self, request: &Request, to: &Target) -> CallRequest {
-        match self {
-            Api::Grpc => super::grpc::call(request, to),
-            Api::Json => super::json::call(request, to),
-        }
-    }
-
-    pub fn parse_txn(self, answer: &CallAnswer) -> Result<TxnResult, EtcdError> {
-        match self {
-            Api::Grpc => super::grpc::parse_txn(answer),
-            Api::Json => super::json::parse_txn(answer.status, &answer.body),
-        }
-    }
-
-    pub fn parse_range(self, answer: &CallAnswer) -> Result<Option<Kv>, EtcdError> {
-        match self {
-            Api::Grpc => super::grpc::parse_range(answer),
-            Api::Json => super::json::parse_range(answer.status, &answer.body),
-        }
-    }
-
-    pub fn parse_grant(self, answer: &CallAnswer) -> Result<i64, EtcdError> {
-        match self {
-            Api::Grpc => super::grpc::parse_grant(answer),
-            Api::Json => super::json::parse_grant(answer.status, &answer.body),
-        }
-    }
-
-    /// Whether an answer says etcd was not reached (down, unreachable, timed out, no
-    /// leader): the store backs off.
-    pub fn is_unreachable(self, answer: &CallAnswer) -> bool {
-        let error = match self {
-            Api::Grpc => super::grpc::error_of(answer),
-            Api::Json => super::json::error_of(answer.status, &answer.body),
-        };
-        error.is_some_and(|e| e.kind() == ErrorKind::Unreachable)
-    }
-
-    /// What a call that could not be sent at all stands for: etcd not reached.
-    pub fn not_sent(self) -> CallAnswer {
-        match self {
-            Api::Grpc => super::grpc::status_answer(14, "dispatch failed"),
-            Api::Json => CallAnswer { status: 503, headers: Vec::new(), body: b"dispatch failed".to_vec() },
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

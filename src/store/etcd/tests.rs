@@ -978,7 +978,8 @@ fn a_read_that_did_not_reach_etcd_is_read_again_not_refused_at_once() {
 /// applied a write, and is never retried.
 #[test]
 fn calls_are_sent_again_only_when_they_never_reached_etcd() {
-    use super::protocol::{Api, RETRY_UNSENT};
+    use super::api::Api;
+    use super::protocol::RETRY_UNSENT;
     assert_eq!(RETRY_UNSENT, &[("x-envoy-retry-on", "connect-failure,refused-stream"), ("x-envoy-max-retries", "2")]);
     for api in [Api::Grpc, Api::Json] {
         let link = Link { api, ..Link::grpc("etcd", 1_000) };
