@@ -138,6 +138,7 @@ fuzz:
 
 lint: tools
 	cargo fmt --all -- --check
+	python3 tools/import_graph.py --check
 	cargo clippy --lib --tests -- -D warnings
 	cargo clippy --target $(TARGET) --lib -- -D warnings
 

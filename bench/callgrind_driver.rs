@@ -19,7 +19,7 @@ use idempotency::table::{Begin, Layout, Table, Ticket};
 use idempotency::encoding::StoredResponse;
 use idempotency::fingerprint::{Fingerprint, FingerprintBuilder};
 use idempotency::key::{parse_key, StoreKey};
-use idempotency::table::memory::MemoryKv;
+use idempotency::host::memory::MemoryKv;
 use std::hint::black_box;
 
 // The benchmarks' shared answer; this path holds from bench/ and from examples/ alike.

@@ -22,7 +22,7 @@ use idempotency::config::Config;
 use idempotency::host::Headers;
 use idempotency::lifecycle::{Effect, Lifecycle};
 use idempotency::store::shared::SharedStore;
-use idempotency::table::memory::MemoryKv;
+use idempotency::host::memory::MemoryKv;
 use idempotency::table::{Layout, Table};
 use idempotency::test_host::TestHost;
 

@@ -7,6 +7,7 @@ use std::rc::Rc;
 
 use crate::caller::TagKey;
 use crate::config::{Config, StoreConfig};
+use crate::host::SharedKv;
 use crate::ledger::{Share, WriteBudget};
 use crate::lifecycle::Lifecycle;
 use crate::store::etcd::replays::{LocalReplays, Replays};
@@ -14,7 +15,6 @@ use crate::store::etcd::shards::Shards;
 use crate::store::etcd::{EtcdStore, Link};
 use crate::store::shared::SharedStore;
 use crate::store::Store;
-use crate::table::SharedKv;
 use crate::table::{Layout, Table};
 
 pub type AnyLifecycle = Lifecycle<Box<dyn Store>>;

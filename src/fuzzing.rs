@@ -4,10 +4,11 @@
 use crate::config::Config;
 use crate::encoding::{response_stamp, Bucket, StoredResponse};
 use crate::fingerprint::Fingerprint;
+use crate::host::memory::MemoryKv;
+use crate::host::SharedKv;
 use crate::key::{parse_key, StoreKey};
-use crate::table::memory::MemoryKv;
-use crate::table::SharedKv;
-use crate::table::{decide, Begin, Layout, StoreError, Table};
+use crate::store::StoreError;
+use crate::table::{decide, Begin, Layout, Table};
 
 /// The plugin configuration: parse, and if accepted, look up a policy.
 pub fn config(data: &[u8]) {
@@ -96,6 +97,6 @@ pub fn etcd(data: &[u8]) {
     }
     if let Ok((entry, response)) = crate::encoding::decode_entry(data) {
         assert_eq!(crate::encoding::encode_entry(&entry, response.as_ref()), data);
-        let _ = crate::table::decide_entry(Some(&entry), &Fingerprint::default(), 1);
+        let _ = crate::store::decision::decide_entry(Some(&entry), &Fingerprint::default(), 1);
     }
 }

@@ -12,7 +12,7 @@
 use crate::bytes::{u32_at, u64_at};
 use crate::caller::Caller;
 use crate::encoding::Corrupt;
-use crate::table::{KvError, SharedKv};
+use crate::host::{KvError, SharedKv};
 
 /// Periods kept: the current one and three before it.
 const SLOTS: usize = 4;
@@ -259,7 +259,7 @@ impl<S: SharedKv> WriteBudget<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::table::memory::MemoryKv;
+    use crate::host::memory::MemoryKv;
 
     fn c(n: u64) -> Caller {
         Caller::from_bits(n)

@@ -10,9 +10,9 @@
 
 use idempotency::encoding::StoredResponse;
 use idempotency::fingerprint::Fingerprint;
+use idempotency::host::{KvError, SharedKv};
 use idempotency::key::StoreKey;
 use idempotency::table::{Begin, Completed, Finish, Layout, Table, Ticket};
-use idempotency::table::{KvError, SharedKv};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use std::collections::HashMap;

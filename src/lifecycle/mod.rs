@@ -39,8 +39,8 @@ use crate::host::{Flow, Host};
 use crate::key::StoreKey;
 use crate::metrics::{Counter, Gauge};
 use crate::problem::Problem;
+use crate::store::Change;
 use crate::store::{CallRequest, Owner, Store};
-use crate::table::Change;
 use request::{Covered, Pending};
 
 /// One VM's requests and their store. The adapter feeds it events and carries out what

@@ -6,9 +6,9 @@ use std::rc::Rc;
 
 use super::*;
 use crate::config::Config;
+use crate::host::memory::MemoryKv;
 use crate::metrics::Counter;
 use crate::store::shared::SharedStore;
-use crate::table::memory::MemoryKv;
 use crate::table::{Layout, Table};
 
 use crate::test_driver::answer_detached;

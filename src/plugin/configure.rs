@@ -8,7 +8,7 @@ use std::hash::{BuildHasher, Hasher};
 use super::hostcalls::{self, SharedData};
 use super::vm::{AnyLifecycle, Vm};
 use crate::config::{Config, Forward, StoreConfig};
-use crate::table::SharedKv;
+use crate::host::SharedKv;
 
 /// A random number from the host's randomness (WASI).
 fn random() -> u64 {

@@ -8,7 +8,7 @@ use std::ptr::{null, null_mut};
 use std::time::{Duration, UNIX_EPOCH};
 
 use crate::host::{HeaderMap, Headers, Host};
-use crate::table::{KvError, SharedKv};
+use crate::host::{KvError, SharedKv};
 
 // Raw ABI imports. Statuses are read as `u32`: an unknown value must not be undefined
 // behaviour (the SDK's `Status` enum has no catch-all).

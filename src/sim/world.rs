@@ -14,11 +14,11 @@ use super::{Combo, Protocol, Report, StoreKind, FENCE_HEADER, LEASE_MS, MAX_RESP
 use crate::build::AnyLifecycle;
 use crate::config::Config;
 use crate::encoding::decode_entry;
+use crate::host::memory::MemoryKv;
 use crate::host::{Flow, Headers};
 use crate::lifecycle::{CallId, Effect, Reply};
 use crate::store::etcd::model::Model;
 use crate::store::{CallAnswer, CallKind, CallRequest};
-use crate::table::memory::MemoryKv;
 use crate::test_host::TestHost as SimHost;
 
 const ENVOYS_ETCD: usize = 2;
@@ -963,7 +963,7 @@ impl World {
             if !written.contains(&name) {
                 continue;
             }
-            let bytes = crate::table::SharedKv::get(&*kv, &name).ok().and_then(|(v, _)| v).unwrap_or_default();
+            let bytes = crate::host::SharedKv::get(&*kv, &name).ok().and_then(|(v, _)| v).unwrap_or_default();
             let entry = bucket_entry(&bytes, &tag);
             let mark = Mark { at: self.now, by_vm: self.running_vm, entry, revision: 0, acknowledged: true };
             self.note_mark(key, mark);

@@ -2,6 +2,7 @@
 //! shared data for one Envoy process ([`shared::SharedStore`], answers at once) and etcd for a
 //! fleet ([`etcd::EtcdStore`], answers when etcd does). How to add a store: ARCHITECTURE.md.
 
+pub mod decision;
 pub mod etcd;
 pub mod shared;
 
@@ -12,7 +13,7 @@ use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::header_map::HeaderMap;
 use crate::key::StoreKey;
-use crate::table::{Change, StoreError};
+pub use decision::{Change, StoreError};
 
 /// Proof of a claim: only its holder completes, releases or renews the key. `fence` is the
 /// claim's fencing token (docs/behaviour.md §3.9): larger for every later claim of the same key.

@@ -11,8 +11,10 @@ use std::rc::Rc;
 use super::{Answer, Began, CallAnswer, CallRequest, Claim, Completed, For, Owner, Store, TickReport};
 use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
+use crate::host::SharedKv;
 use crate::key::StoreKey;
-use crate::table::{self, Begin, Census, Change, Finish, Heaviest, ReplayCache, SharedKv, Table, Ticket};
+use crate::store::Change;
+use crate::table::{self, Begin, Census, Finish, Heaviest, ReplayCache, Table, Ticket};
 
 /// Buckets swept per second and VM: a 1,024-bucket table is swept every 2.5 s per worker.
 const SWEEP_PER_SECOND: u64 = 400;
@@ -398,8 +400,9 @@ mod tests {
     use std::rc::Rc;
 
     use super::*;
-    use crate::table::memory::MemoryKv;
-    use crate::table::{KvError, Layout};
+    use crate::host::memory::MemoryKv;
+    use crate::host::KvError;
+    use crate::table::Layout;
 
     /// Shared data that counts its reads: a retry of this VM's claim must not need one.
     #[derive(Default)]
@@ -588,7 +591,7 @@ mod census_tests {
 
     use super::*;
     use crate::caller::Caller;
-    use crate::table::memory::MemoryKv;
+    use crate::host::memory::MemoryKv;
     use crate::table::Layout;
 
     fn store_for(s: &mut SharedStore<MemoryKv>, scope: &str, n: u64, body: usize, now: u64) {

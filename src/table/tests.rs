@@ -2,7 +2,7 @@
 //! #[cfg(test)] by engine.rs).
 
 use super::*;
-use crate::table::memory::MemoryKv;
+use crate::host::memory::MemoryKv;
 #[cfg(not(target_family = "wasm"))]
 use std::sync::atomic::{AtomicUsize, Ordering};
 #[cfg(not(target_family = "wasm"))]

@@ -6,8 +6,8 @@ use std::rc::Rc;
 use super::protocol::{ErrorKind, EtcdError, Kv, Request, TxnResult};
 use super::{Backoff, EtcdOwner, EtcdStore, Op, Round, MAX_ROUNDS};
 use crate::encoding::{decode_entry, encode_entry, Corrupt, Entry, State};
+use crate::store::decision::{decide_entry, Change, Decision, StoreError};
 use crate::store::{Answer, Began, Owner};
-use crate::table::{decide_entry, Change, Decision, StoreError};
 
 /// Reads of one request that may fail to reach etcd before it follows `on_unavailable`.
 const RELOOKS: u8 = 2;

@@ -5,7 +5,7 @@ use super::protocol::{ErrorKind, EtcdError, Kv, Request, TxnResult};
 use super::{slack_s, Ending, EtcdStore, Op, VmLease};
 use crate::encoding::{decode_entry, encode_entry, Entry, State};
 use crate::store::{Answer, CallAnswer, Completed, For};
-use crate::table::{Change, StoreError};
+use crate::store::{Change, StoreError};
 
 impl EtcdStore {
     /// Routes an answer to the operation it belongs to.

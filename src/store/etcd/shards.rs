@@ -12,8 +12,8 @@ use super::EtcdStore;
 use crate::encoding::StoredResponse;
 use crate::key::StoreKey;
 use crate::metrics::Counter;
+use crate::store::Change;
 use crate::store::{Answer, CallAnswer, CallRequest, Claim, For, Owner, Store, TickReport};
-use crate::table::Change;
 
 pub struct Shards {
     shards: Vec<(u64, EtcdStore)>,

@@ -325,9 +325,9 @@ fn without_a_fresh_lease_no_mark_is_written() {
     assert!((1..=9).contains(&claims), "{claims} claims sent");
 }
 
-fn with_copies(seed: u64) -> (EtcdStore, &'static crate::table::memory::MemoryKv) {
+fn with_copies(seed: u64) -> (EtcdStore, &'static crate::host::memory::MemoryKv) {
     use crate::table::{Layout, Table};
-    let kv: &'static crate::table::memory::MemoryKv = Box::leak(Box::default());
+    let kv: &'static crate::host::memory::MemoryKv = Box::leak(Box::default());
     let table = Table::new(kv, Layout::new("t.replays", 1024, 1 << 20));
     table.create().unwrap();
     let replays = std::rc::Rc::new(std::cell::RefCell::new(super::replays::LocalReplays::new(table, 0, 1 << 16)));
@@ -907,7 +907,7 @@ fn begin_scoped(s: &mut EtcdStore, m: &mut Model, scope: &str, n: u32, now: u64)
 
 #[test]
 fn past_its_write_budget_the_heaviest_writers_new_keys_get_429_and_everything_else_goes_on() {
-    let kv = crate::table::memory::MemoryKv::new();
+    let kv = crate::host::memory::MemoryKv::new();
     let budget = crate::ledger::WriteBudget::new(kv, "t", 6_000, RETENTION);
     let (mut s, mut m) = (store(1).with_share(Rc::new(budget)), Model::new());
     // The flooder stores answers of 1 KB until the budget is spent.
@@ -1221,7 +1221,7 @@ fn a_sharded_stores_counters_are_polled() {
 fn a_copy_left_half_written_is_swept_without_moving_the_in_progress_gauge() {
     use super::replays::{LocalReplays, Replays};
     use crate::table::{Layout, Table};
-    let kv: &'static crate::table::memory::MemoryKv = Box::leak(Box::default());
+    let kv: &'static crate::host::memory::MemoryKv = Box::leak(Box::default());
     let layout = || Layout::new("t.replays", 64, 1 << 20);
     let table = Table::new(kv, layout());
     table.create().unwrap();

@@ -3,6 +3,10 @@
 //! lazy, so that a request the plugin does not cover costs one header lookup.
 
 pub use crate::header_map::HeaderMap;
+pub use shared_kv::{KvError, SharedKv};
+
+pub mod memory;
+mod shared_kv;
 
 /// A header map as Envoy hands it over: names lower-case, values any bytes, repeats kept.
 pub type Headers = Vec<(String, Vec<u8>)>;
