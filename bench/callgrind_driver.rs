@@ -15,7 +15,7 @@
 //! Usage: callgrind_driver <claim|complete|replay|conflict|request> [N]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use idempotency::table::{Begin, Layout, Table, Ticket};
+use idempotency::store::table::{Begin, Layout, Table, Ticket};
 use idempotency::encoding::StoredResponse;
 use idempotency::fingerprint::{Fingerprint, FingerprintBuilder};
 use idempotency::key::{parse_key, StoreKey};

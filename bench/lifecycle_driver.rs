@@ -23,7 +23,7 @@ use idempotency::host::Headers;
 use idempotency::lifecycle::{Effect, Lifecycle};
 use idempotency::store::shared::SharedStore;
 use idempotency::host::memory::MemoryKv;
-use idempotency::table::{Layout, Table};
+use idempotency::store::table::{Layout, Table};
 use idempotency::test_host::TestHost;
 
 type Core = Lifecycle<SharedStore<&'static MemoryKv>>;

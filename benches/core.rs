@@ -19,7 +19,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use idempotency::fingerprint::{Fingerprint, FingerprintBuilder};
 use idempotency::host::memory::MemoryKv;
 use idempotency::key::StoreKey;
-use idempotency::table::{Begin, Layout, Table, Ticket};
+use idempotency::store::table::{Begin, Layout, Table, Ticket};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

@@ -8,14 +8,14 @@ use std::rc::Rc;
 use crate::caller::TagKey;
 use crate::config::{Config, StoreConfig};
 use crate::host::SharedKv;
-use crate::ledger::{Share, WriteBudget};
 use crate::lifecycle::Lifecycle;
-use crate::store::etcd::replays::{LocalReplays, Replays};
+use crate::store::etcd::ledger::{Share, WriteBudget};
+use crate::store::etcd::local_copies::{LocalReplays, Replays};
 use crate::store::etcd::shards::Shards;
 use crate::store::etcd::{EtcdStore, Link};
 use crate::store::shared::SharedStore;
+use crate::store::table::{Layout, Table};
 use crate::store::Store;
-use crate::table::{Layout, Table};
 
 pub type AnyLifecycle = Lifecycle<Box<dyn Store>>;
 

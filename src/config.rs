@@ -414,7 +414,7 @@ impl Config {
         self.bind_scope_sources();
         let (limit, limit_why) = match &self.store {
             StoreConfig::SharedData => {
-                let buckets = crate::table::Layout::buckets_for(self.capacity);
+                let buckets = crate::store::table::Layout::buckets_for(self.capacity);
                 let share = self.max_store_bytes / u64::from(buckets);
                 (share, format!("the share of one of the table's {buckets} buckets (max_store_bytes / ceil(capacity / 64) = {share}): raise max_store_bytes, or lower capacity"))
             }
@@ -506,7 +506,7 @@ impl Config {
             return;
         }
         let largest = self.policies().map(|p| p.max_response_bytes).filter(|b| *b != UNSET).max().unwrap_or(0);
-        let buckets = u64::from(crate::table::Layout::buckets_for(self.capacity));
+        let buckets = u64::from(crate::store::table::Layout::buckets_for(self.capacity));
         let needed = (largest as u64).saturating_mul(buckets).min(MAX_STORE_BYTES);
         if needed > self.max_store_bytes {
             self.notices.push(format!(
@@ -522,7 +522,7 @@ impl Config {
     /// `idempotency.config_*`, and the line logged at configure).
     pub fn derived(&self) -> Vec<(crate::metrics::Gauge, u64)> {
         use crate::metrics::Gauge;
-        let buckets = u64::from(crate::table::Layout::buckets_for(self.capacity));
+        let buckets = u64::from(crate::store::table::Layout::buckets_for(self.capacity));
         vec![
             (Gauge::ConfigStoreBytes, self.max_store_bytes),
             (Gauge::ConfigBuckets, buckets),

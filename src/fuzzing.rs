@@ -7,8 +7,8 @@ use crate::fingerprint::Fingerprint;
 use crate::host::memory::MemoryKv;
 use crate::host::SharedKv;
 use crate::key::{parse_key, StoreKey};
+use crate::store::table::{decide, Begin, Layout, Table};
 use crate::store::StoreError;
-use crate::table::{decide, Begin, Layout, Table};
 
 /// The plugin configuration: parse, and if accepted, look up a policy.
 pub fn config(data: &[u8]) {
@@ -76,7 +76,7 @@ pub fn entry(data: &[u8]) {
         assert!(ok, "planted response: {begin:?}");
         let _ = table.release(&ticket);
     }
-    let _ = crate::retention::EvictionWindow::decode(data);
+    let _ = crate::store::table::retention::EvictionWindow::decode(data);
 }
 
 /// An answer from etcd (the JSON gateway's or a gRPC message), and an etcd value (an entry

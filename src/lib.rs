@@ -22,13 +22,10 @@ pub mod header_map;
 pub mod host;
 pub mod ids;
 pub mod key;
-pub mod ledger;
 pub mod lifecycle;
 pub mod metrics;
 pub mod problem;
-pub mod retention;
 pub mod store;
-pub mod table;
 
 #[cfg(test)]
 #[cfg(not(target_family = "wasm"))]

@@ -12,7 +12,7 @@ use idempotency::encoding::StoredResponse;
 use idempotency::fingerprint::Fingerprint;
 use idempotency::host::{KvError, SharedKv};
 use idempotency::key::StoreKey;
-use idempotency::table::{Begin, Completed, Finish, Layout, Table, Ticket};
+use idempotency::store::table::{Begin, Completed, Finish, Layout, Table, Ticket};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use std::collections::HashMap;

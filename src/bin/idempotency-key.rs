@@ -18,7 +18,7 @@ use idempotency::encoding::ENTRIES;
 use idempotency::key::{parse_key, StoreKey};
 use idempotency::store::etcd::protocol::key_name;
 use idempotency::store::etcd::shards::{seed_of, shard_of};
-use idempotency::table::Layout;
+use idempotency::store::table::Layout;
 use serde_json::{json, Value};
 
 const USAGE: &str = "\

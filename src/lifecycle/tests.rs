@@ -9,7 +9,7 @@ use crate::config::Config;
 use crate::host::memory::MemoryKv;
 use crate::metrics::Counter;
 use crate::store::shared::SharedStore;
-use crate::table::{Layout, Table};
+use crate::store::table::{Layout, Table};
 
 use crate::test_driver::answer_detached;
 pub(super) use crate::test_driver::{at, count, dispatched, replies, send};

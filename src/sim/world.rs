@@ -391,7 +391,7 @@ impl World {
     /// from the request's `:authority`, scope and key).
     fn locators(combo: &Combo) -> Vec<(KeyId, Locator)> {
         let config = Config::parse(combo.config_json(500).as_bytes()).ok();
-        let layout = config.map(|c| crate::table::Layout::new(&c.namespace, c.capacity, c.max_store_bytes));
+        let layout = config.map(|c| crate::store::table::Layout::new(&c.namespace, c.capacity, c.max_store_bytes));
         let mut out = Vec::new();
         for scope in 0..SCOPES + INVENTED {
             for key in 0..KEYS {

@@ -5,6 +5,7 @@
 pub mod decision;
 pub mod etcd;
 pub mod shared;
+pub mod table;
 
 use std::rc::Rc;
 
@@ -172,7 +173,7 @@ pub struct TickReport {
     /// The effective retention to show, when the store has a new figure (ms).
     pub effective_retention_ms: Option<u64>,
     /// The heaviest caller of the table, when a sweep pass has just counted it.
-    pub heaviest: Option<crate::table::Heaviest>,
+    pub heaviest: Option<crate::store::table::Heaviest>,
     /// etcd: what this Envoy wrote lately by its write ledger, when it changed.
     pub share_used_bytes: Option<u64>,
 }

@@ -13,8 +13,8 @@ use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::host::SharedKv;
 use crate::key::StoreKey;
+use crate::store::table::{self, Begin, Census, Finish, Heaviest, ReplayCache, Table, Ticket};
 use crate::store::Change;
-use crate::table::{self, Begin, Census, Finish, Heaviest, ReplayCache, Table, Ticket};
 
 /// Buckets swept per second and VM: a 1,024-bucket table is swept every 2.5 s per worker.
 const SWEEP_PER_SECOND: u64 = 400;
@@ -402,7 +402,7 @@ mod tests {
     use super::*;
     use crate::host::memory::MemoryKv;
     use crate::host::KvError;
-    use crate::table::Layout;
+    use crate::store::table::Layout;
 
     /// Shared data that counts its reads: a retry of this VM's claim must not need one.
     #[derive(Default)]
@@ -592,7 +592,7 @@ mod census_tests {
     use super::*;
     use crate::caller::Caller;
     use crate::host::memory::MemoryKv;
-    use crate::table::Layout;
+    use crate::store::table::Layout;
 
     fn store_for(s: &mut SharedStore<MemoryKv>, scope: &str, n: u64, body: usize, now: u64) {
         let scopes = [Some(scope.as_bytes())];

@@ -19,9 +19,10 @@ pub mod api;
 mod claims;
 pub mod grpc;
 pub mod json;
+pub mod ledger;
+pub mod local_copies;
 mod owners;
 pub mod protocol;
-pub mod replays;
 pub mod shards;
 
 #[cfg(test)]
@@ -31,7 +32,7 @@ mod tests;
 
 use crate::caller::Caller;
 use crate::defects::{planted, Defect};
-use crate::ledger::{Share, Verdict};
+use crate::store::etcd::ledger::{Share, Verdict};
 use std::collections::{HashSet, VecDeque};
 
 use crate::ids::IdMap;
@@ -44,8 +45,8 @@ use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Counter;
 use api::Api;
+use local_copies::Replays;
 use protocol::{Backoff, ErrorKind, EtcdError, Request, Target, Write};
-use replays::Replays;
 
 /// Rounds of claim/takeover for one request before it is answered 503.
 const MAX_ROUNDS: u8 = 6;

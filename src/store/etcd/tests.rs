@@ -326,11 +326,11 @@ fn without_a_fresh_lease_no_mark_is_written() {
 }
 
 fn with_copies(seed: u64) -> (EtcdStore, &'static crate::host::memory::MemoryKv) {
-    use crate::table::{Layout, Table};
+    use crate::store::table::{Layout, Table};
     let kv: &'static crate::host::memory::MemoryKv = Box::leak(Box::default());
     let table = Table::new(kv, Layout::new("t.replays", 1024, 1 << 20));
     table.create().unwrap();
-    let replays = std::rc::Rc::new(std::cell::RefCell::new(super::replays::LocalReplays::new(table, 0, 1 << 16)));
+    let replays = std::rc::Rc::new(std::cell::RefCell::new(super::local_copies::LocalReplays::new(table, 0, 1 << 16)));
     (store(seed).with_replays(replays), kv)
 }
 
@@ -908,7 +908,7 @@ fn begin_scoped(s: &mut EtcdStore, m: &mut Model, scope: &str, n: u32, now: u64)
 #[test]
 fn past_its_write_budget_the_heaviest_writers_new_keys_get_429_and_everything_else_goes_on() {
     let kv = crate::host::memory::MemoryKv::new();
-    let budget = crate::ledger::WriteBudget::new(kv, "t", 6_000, RETENTION);
+    let budget = crate::store::etcd::ledger::WriteBudget::new(kv, "t", 6_000, RETENTION);
     let (mut s, mut m) = (store(1).with_share(Rc::new(budget)), Model::new());
     // The flooder stores answers of 1 KB until the budget is spent.
     let mut n = 0;
@@ -1219,15 +1219,18 @@ fn a_sharded_stores_counters_are_polled() {
 /// (its worker died between the two writes) is swept without moving the in-progress gauge.
 #[test]
 fn a_copy_left_half_written_is_swept_without_moving_the_in_progress_gauge() {
-    use super::replays::{LocalReplays, Replays};
-    use crate::table::{Layout, Table};
+    use super::local_copies::{LocalReplays, Replays};
+    use crate::store::table::{Layout, Table};
     let kv: &'static crate::host::memory::MemoryKv = Box::leak(Box::default());
     let layout = || Layout::new("t.replays", 64, 1 << 20);
     let table = Table::new(kv, layout());
     table.create().unwrap();
     let other_worker = Table::new(kv, layout());
     let c = claim("k");
-    assert!(matches!(other_worker.begin(&c.key, &c.fingerprint, 0, 1_000), Ok(crate::table::Begin::Claimed { .. })));
+    assert!(matches!(
+        other_worker.begin(&c.key, &c.fingerprint, 0, 1_000),
+        Ok(crate::store::table::Begin::Claimed { .. })
+    ));
     let mut copies = LocalReplays::new(table, 0, 0);
     let mut in_progress = 0;
     for t in 0..64 {
@@ -1235,5 +1238,8 @@ fn a_copy_left_half_written_is_swept_without_moving_the_in_progress_gauge() {
     }
     assert_eq!(in_progress, 0);
     let again = Table::new(kv, layout());
-    assert!(matches!(again.begin(&c.key, &c.fingerprint, 6_000, 1_000), Ok(crate::table::Begin::Claimed { .. })));
+    assert!(matches!(
+        again.begin(&c.key, &c.fingerprint, 6_000, 1_000),
+        Ok(crate::store::table::Begin::Claimed { .. })
+    ));
 }

@@ -11,9 +11,9 @@ use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::host::SharedKv;
 use crate::key::StoreKey;
+use crate::store::table::{Begin, ReplayCache, Table};
 use crate::store::Began;
 use crate::store::Change;
-use crate::table::{Begin, ReplayCache, Table};
 
 /// Buckets swept per tick: a 1,024-bucket cache is swept every few seconds per worker.
 const SWEEP_PER_TICK: u32 = 20;

@@ -31,15 +31,16 @@ use crate::encoding::{Bucket, Corrupt, Entry, KeyTag, State, StoredResponse, ENT
 use crate::fingerprint::Fingerprint;
 use crate::host::{KvError, SharedKv};
 use crate::key::StoreKey;
-use crate::retention::EvictionWindow;
 use crate::store::decision::{judge_live, taken_as_expired, Change, Decision, StoreError};
 pub use census::{Census, Heaviest};
+use retention::EvictionWindow;
 use std::rc::Rc;
 pub mod census;
-mod replays;
+mod replay_cache;
+pub mod retention;
 mod share;
 
-pub use replays::{ReplayCache, TRUST_MS};
+pub use replay_cache::{ReplayCache, TRUST_MS};
 
 /// CAS attempts before an operation gives up (contention on one bucket from other workers).
 const MAX_ATTEMPTS: usize = 64;
