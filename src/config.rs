@@ -8,6 +8,27 @@
 use serde_json::Value;
 use std::fmt;
 
+/// The gRPC status codes by name (`release_grpc_statuses` takes names or numbers).
+pub const GRPC_STATUS_NAMES: [&str; 17] = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+];
+
 /// What to do with a duplicate that meets an in-progress first call (docs/behaviour.md §3.3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnConflict {
@@ -944,7 +965,7 @@ fn grpc_statuses(f: &str, v: &Value) -> Result<u32, ConfigError> {
         let field = format!("{f}[{i}]");
         let code = match item {
             Value::Number(_) => int(&field, item, 0, 16)? as u32,
-            Value::String(s) => crate::grpc::NAMES.iter().position(|n| n.eq_ignore_ascii_case(s)).ok_or_else(|| {
+            Value::String(s) => GRPC_STATUS_NAMES.iter().position(|n| n.eq_ignore_ascii_case(s)).ok_or_else(|| {
                 err(&field, format!("expected a gRPC status code (0-16) or its name like \"UNAVAILABLE\", got {s:?}"))
             })? as u32,
             other => return Err(err(&field, format!("expected a gRPC status code (0-16) or its name, got {other}"))),

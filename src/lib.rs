@@ -7,8 +7,7 @@
 //! `budget`, `retention`, `bytes`. `plugin` is the thin proxy-wasm adapter, built for
 //! `wasm32-wasip1` only. See ARCHITECTURE.md.
 
-pub mod budget;
-pub mod build;
+pub mod assemble;
 pub mod bytes;
 pub mod caller;
 pub mod config;
@@ -17,14 +16,12 @@ pub mod digest;
 pub mod encoding;
 pub mod fingerprint;
 pub mod fuzzing;
-pub mod grpc;
 pub mod header_map;
 pub mod host;
 pub mod ids;
 pub mod key;
 pub mod lifecycle;
 pub mod metrics;
-pub mod problem;
 pub mod store;
 
 #[cfg(test)]

@@ -3,9 +3,9 @@
 
 use std::rc::Rc;
 
+use super::problem::Problem;
 use crate::encoding::StoredResponse;
 use crate::metrics::{Counter, Gauge};
-use crate::problem::Problem;
 use crate::store::CallRequest;
 
 /// Who an HTTP call's answer goes to.
@@ -27,7 +27,7 @@ pub enum Reply {
         replayed: bool,
     },
     /// A trailers-only gRPC answer to a gRPC call (docs/behaviour.md §3.10).
-    Grpc(crate::grpc::GrpcAnswer),
+    Grpc(super::grpc_reply::GrpcAnswer),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

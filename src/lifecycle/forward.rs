@@ -3,15 +3,15 @@
 
 use std::rc::Rc;
 
+use super::budget::Reservation;
+use super::grpc_reply;
+use super::problem::Problem;
 use super::{CallId, Effect, HeldEnd, Lifecycle, Outgoing, Phase, Reply, Upstream};
-use crate::budget::Reservation;
 use crate::defects::{planted, Defect};
 use crate::encoding::{StoredResponse, STORED_OVERHEAD};
-use crate::grpc;
 use crate::header_map::is_hop_by_hop;
 use crate::host::{Flow, Headers, Host};
 use crate::metrics::Counter;
-use crate::problem::Problem;
 use crate::store::{Answer, CallAnswer, CallKind, CallRequest, Owner, Store};
 
 /// A router-mode answer as it streams past, kept for the stored response. `kept` is `None`
@@ -70,7 +70,7 @@ fn classify(answer: CallAnswer) -> Outcome {
     }
     // The body becomes the stored form in place: the VM holds one copy of the answer.
     // A gRPC call's trailers are kept under their prefix (they are not pseudo-headers).
-    let kept = headers.iter().filter(|(n, _)| !is_hop_by_hop(n) || n.starts_with(crate::grpc::TRAILER));
+    let kept = headers.iter().filter(|(n, _)| !is_hop_by_hop(n) || n.starts_with(super::grpc_reply::TRAILER));
     let kept = kept.map(|(n, v)| (n.as_str(), v.as_slice()));
     Outcome::Answer(StoredResponse::new(status, kept, body))
 }
@@ -169,7 +169,8 @@ impl<S: Store> Lifecycle<S> {
         // A gRPC call's status is in its trailers (or headers, trailers-only); none at all
         // is a broken answer.
         let grpc_failed = call.grpc
-            && grpc::status_of(grpc::trailers_and_headers(&response)).is_none_or(|code| p.releases_grpc(code));
+            && grpc_reply::status_of(grpc_reply::trailers_and_headers(&response))
+                .is_none_or(|code| p.releases_grpc(code));
         let looped = in_progress_of_an_idempotency_filter(&response);
         if looped {
             log::warn!(
@@ -294,7 +295,7 @@ impl<S: Store> Lifecycle<S> {
     /// is held (`Flow::Pause`) until the store acknowledged the completion.
     pub fn on_response_headers(&mut self, host: &dyn Host, id: u32, end_of_stream: bool) -> Flow {
         if let Some(Phase::GrpcReplay { response, replayed }) = self.streams.get(&id).map(|s| &s.phase) {
-            let (headers, _) = grpc::replay_parts(response, *replayed);
+            let (headers, _) = grpc_reply::replay_parts(response, *replayed);
             self.effects.push(Effect::SetResponseHeaders { stream: id, headers });
             if end_of_stream {
                 log::warn!("the gRPC replay loopback answered without a body: is its route missing?");
@@ -311,7 +312,7 @@ impl<S: Store> Lifecycle<S> {
             if !end_of_stream {
                 return Flow::Pause; // the loopback's body is replaced at its end
             }
-            let (_, trailers) = grpc::replay_parts(response, false);
+            let (_, trailers) = grpc_reply::replay_parts(response, false);
             let body = response.body().to_vec();
             self.effects.push(Effect::ReplaceResponseBody { stream: id, size, body, trailers });
             self.set_phase(id, Phase::Pass);
@@ -345,7 +346,7 @@ impl<S: Store> Lifecycle<S> {
         let Phase::Owner { owner: Some(owner), capture: Some(c) } = &mut stream.phase else { return Flow::Continue };
         let owner = *owner;
         let trailers = host.response_trailers();
-        let code = grpc::status_of(trailers.iter().map(|(n, v)| (n.as_str(), v.as_slice()))).unwrap_or(2);
+        let code = grpc_reply::status_of(trailers.iter().map(|(n, v)| (n.as_str(), v.as_slice()))).unwrap_or(2);
         if p.releases_grpc(code) {
             self.set_phase(id, Phase::Pass);
             self.release(owner, now);
@@ -353,11 +354,11 @@ impl<S: Store> Lifecycle<S> {
         }
         let loopback = self.config.grpc_replay_loopback;
         match &mut c.kept {
-            Some((body, reservation)) if loopback || (code != grpc::OK && body.is_empty()) => {
-                let more: usize = trailers.iter().map(|(n, v)| 6 + grpc::TRAILER.len() + n.len() + v.len()).sum();
+            Some((body, reservation)) if loopback || (code != grpc_reply::OK && body.is_empty()) => {
+                let more: usize = trailers.iter().map(|(n, v)| 6 + grpc_reply::TRAILER.len() + n.len() + v.len()).sum();
                 if reservation.grow(more) {
                     let kept = trailers.into_iter().filter(|(n, _)| !is_hop_by_hop(n));
-                    c.headers.extend(kept.map(|(n, v)| (format!("{}{n}", grpc::TRAILER), v)));
+                    c.headers.extend(kept.map(|(n, v)| (format!("{}{n}", grpc_reply::TRAILER), v)));
                 } else {
                     c.kept = None;
                 }
@@ -386,7 +387,7 @@ impl<S: Store> Lifecycle<S> {
         let p = p.policy(policy);
         // A gRPC answer without messages (trailers-only) has its status in the headers; one
         // that ends without any status is broken, as the detached path also judges it.
-        let grpc_status = grpc::status_of(headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())));
+        let grpc_status = grpc_reply::status_of(headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())));
         let grpc_failed = grpc_call && end_of_stream && grpc_status.is_none_or(|code| p.releases_grpc(code));
         if !via_upstream || p.release_statuses.contains(status) || grpc_failed {
             if !via_upstream {
@@ -399,7 +400,7 @@ impl<S: Store> Lifecycle<S> {
         }
         let headers: Headers = headers.into_iter().filter(|(n, _)| !is_hop_by_hop(n)).collect();
         let head = STORED_OVERHEAD + headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum::<usize>();
-        let group = self.streams.get(&id).map_or(crate::budget::Group::UNKNOWN, |s| self.known.group(s.caller));
+        let group = self.streams.get(&id).map_or(super::budget::Group::UNKNOWN, |s| self.known.group(s.caller));
         let kept = (head <= p.max_response_bytes)
             .then(|| self.buffered.reserve(group, head))
             .flatten()

@@ -1,9 +1,9 @@
 //! gRPC calls (docs/behaviour.md §3.10): the plugin's answers in gRPC's terms, release by `grpc-status`,
 //! failed results replayed as the same status and trailers.
 
+use super::grpc_reply::{self, GrpcAnswer};
 use super::tests::{count, headers, lifecycle, replies, send, FakeHost};
 use super::*;
-use crate::grpc::{self, GrpcAnswer};
 
 fn call(key: &str) -> FakeHost {
     let mut host = super::tests::post(key, "\0\0\0\0\x02hi");
@@ -51,7 +51,7 @@ fn a_duplicate_in_progress_gets_aborted_with_a_pushback_even_in_detached_mode() 
     assert_eq!(flow, Flow::Continue, "gRPC calls go through the router: detached loses trailers");
     let (_, effects) = send(&mut l, 2, &call("k"), 1);
     let a = grpc_reply(&effects, 2);
-    assert_eq!(a.code, grpc::ABORTED);
+    assert_eq!(a.code, grpc_reply::ABORTED);
     assert_eq!(a.metadata[0], ("grpc-retry-pushback-ms".to_string(), b"3000".to_vec()));
     assert_eq!(count(&effects, crate::metrics::Counter::Conflict), 1);
 }
@@ -96,7 +96,7 @@ fn a_result_with_messages_completes_the_key_and_is_never_run_again() {
     assert_eq!(count(&effects, crate::metrics::Counter::Completed), 1);
     let (flow, effects) = send(&mut l, 2, &call("k"), 1);
     assert_eq!(flow, Flow::Pause, "not forwarded again");
-    assert_eq!(grpc_reply(&effects, 2).code, grpc::FAILED_PRECONDITION);
+    assert_eq!(grpc_reply(&effects, 2).code, grpc_reply::FAILED_PRECONDITION);
 }
 
 #[test]
@@ -117,7 +117,7 @@ fn with_the_loopback_a_result_with_messages_replays_as_its_messages_and_trailers
     assert_eq!(count(&effects, crate::metrics::Counter::Completed), 1);
     let (flow, effects) = send(&mut l, 2, &call("k"), 1);
     assert_eq!(flow, Flow::Continue, "through the router, to the loopback");
-    let path = Some(grpc::REPLAY_PATH.to_string());
+    let path = Some(grpc_reply::REPLAY_PATH.to_string());
     assert!(effects.contains(&Effect::SetRequestHeader { stream: 2, name: ":path".into(), value: path }));
     assert_eq!(
         (count(&effects, crate::metrics::Counter::Replayed), count(&effects, crate::metrics::Counter::Claimed)),
@@ -191,5 +191,5 @@ fn with_the_loopback_a_detached_call_answers_its_client_through_it() {
     l.on_call_answer(&failed, calls[0].0, true, 0, 4);
     let effects = l.take_effects();
     assert_eq!(count(&effects, crate::metrics::Counter::Released), 1);
-    assert_eq!(grpc_reply(&effects, 2).code, grpc::UNAVAILABLE);
+    assert_eq!(grpc_reply(&effects, 2).code, grpc_reply::UNAVAILABLE);
 }

@@ -4,12 +4,15 @@
 //! stores lives behind [`Store`]. It reads Envoy through [`Host`] during an event and the time
 //! from the caller. See ARCHITECTURE.md.
 
-mod answer;
+pub mod budget;
+mod claim;
 mod effect;
 mod forward;
+pub mod grpc_reply;
+pub mod problem;
 mod record;
 mod request;
-mod timer;
+mod root_events;
 mod waiting;
 
 #[cfg(test)]
@@ -32,15 +35,15 @@ use std::collections::VecDeque;
 use crate::ids::IdMap;
 use std::rc::Rc;
 
-use crate::budget::{Budget, Group, Known, Reservation};
 use crate::config::{Config, OnConflict, Policy};
 use crate::fingerprint::Fingerprint;
 use crate::host::{Flow, Host};
 use crate::key::StoreKey;
 use crate::metrics::{Counter, Gauge};
-use crate::problem::Problem;
 use crate::store::Change;
 use crate::store::{CallRequest, Owner, Store};
+use budget::{Budget, Group, Known, Reservation};
+use problem::Problem;
 use request::{Covered, Pending};
 
 /// One VM's requests and their store. The adapter feeds it events and carries out what
@@ -442,17 +445,17 @@ impl<S: Store> Lifecycle<S> {
         self.record(id, decision);
         let Some(stream) = self.streams.get(&id) else { return };
         let reply = match reply {
-            Reply::Problem(p) if stream.grpc => Reply::Grpc(crate::grpc::GrpcAnswer::for_problem(&p)),
+            Reply::Problem(p) if stream.grpc => Reply::Grpc(grpc_reply::GrpcAnswer::for_problem(&p)),
             // A local reply to a gRPC call cannot carry messages and trailers (Envoy makes it
             // trailers-only): a failed call answers as its status; a result with messages
             // goes through the replay loopback, or cannot be replayed (limits.md).
             Reply::Stored { response, replayed } if stream.grpc => {
-                match crate::grpc::GrpcAnswer::replay_of(&response, replayed) {
+                match grpc_reply::GrpcAnswer::replay_of(&response, replayed) {
                     Some(answer) => Reply::Grpc(answer),
                     None if self.config.grpc_replay_loopback => {
                         return self.through_loopback(id, response, replayed, true)
                     }
-                    None => Reply::Grpc(crate::grpc::GrpcAnswer::not_replayable()),
+                    None => Reply::Grpc(grpc_reply::GrpcAnswer::not_replayable()),
                 }
             }
             other => other,
@@ -471,7 +474,7 @@ impl<S: Store> Lifecycle<S> {
         resume: bool,
     ) {
         // Not gRPC on the way there: the loopback's answer must keep its body.
-        let set = [(":path", crate::grpc::REPLAY_PATH), ("content-type", "application/x-idempotency-replay")];
+        let set = [(":path", grpc_reply::REPLAY_PATH), ("content-type", "application/x-idempotency-replay")];
         for (name, value) in set {
             let (name, value) = (name.to_string(), Some(value.to_string()));
             self.effects.push(Effect::SetRequestHeader { stream: id, name, value });

@@ -1,13 +1,13 @@
 //! A covered request, from its headers (docs/behaviour.md §3.1): the key, the caller's scope, the store
 //! key, the fingerprint so far, and what the root needs to send it itself.
 
+use super::problem::Problem;
 use crate::caller::{Caller, TagKey};
 use crate::config::{Config, Forward, MissingScope, Policy, RouteMatch};
 use crate::fingerprint::FingerprintBuilder;
 use crate::host::{HeaderMap, Host};
 use crate::key::{parse_key, StoreKey};
 use crate::metrics::Counter;
-use crate::problem::Problem;
 
 /// A covered request whose body is still coming.
 pub struct Pending {
@@ -73,7 +73,7 @@ pub fn read_headers(
     tag_key: &TagKey,
 ) -> (Covered, bool) {
     let headers = headers.unwrap_or_else(|| host.request_headers());
-    let grpc = crate::grpc::is_grpc(headers.get("content-type"));
+    let grpc = super::grpc_reply::is_grpc(headers.get("content-type"));
     (covered(config, policy, method, host, headers, grpc, tag_key), grpc)
 }
 

@@ -2,12 +2,12 @@
 //! first call's outcome is known. The timer asks the store once per distinct request; the
 //! answer goes to every waiter of it, and a claim to the first one only.
 
-use super::answer::{LazyOutbound, Next};
+use super::claim::{LazyOutbound, Next};
+use super::problem::Problem;
 use super::{Effect, Lifecycle, Phase};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Counter;
-use crate::problem::Problem;
 use crate::store::{Answer, Began, Claim, For, Store};
 
 impl<S: Store> Lifecycle<S> {
@@ -27,7 +27,7 @@ impl<S: Store> Lifecycle<S> {
             if !asked.contains(&(held.key, held.fingerprint)) {
                 asked.push((held.key, held.fingerprint));
                 let lease_ms = self.config.policy(stream.policy).lease_ms;
-                let established = self.known.group(held.caller) != crate::budget::Group::UNKNOWN;
+                let established = self.known.group(held.caller) != super::budget::Group::UNKNOWN;
                 let claim =
                     Claim { key: held.key, fingerprint: held.fingerprint, caller: held.caller, established, lease_ms };
                 due.push((*id, claim));
@@ -59,7 +59,7 @@ impl<S: Store> Lifecycle<S> {
     ) {
         let (key, fingerprint) = asked;
         if !matches!(began, Began::InProgress) {
-            log::debug!("waiters of key {} -> {}", key.short(), super::answer::describe(&began));
+            log::debug!("waiters of key {} -> {}", key.short(), super::claim::describe(&began));
         }
         let mut group: Vec<u32> = self
             .streams

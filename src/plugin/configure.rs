@@ -1,5 +1,5 @@
 //! `on_configure`: the configuration parsed once, the lifecycle and its store built over
-//! Envoy's shared data (`crate::build`; the base VM creates the table before any worker serves:
+//! Envoy's shared data (`crate::assemble`; the base VM creates the table before any worker serves:
 //! docs/behaviour.md §4), the queue registered.
 
 use std::collections::hash_map::RandomState;
@@ -67,5 +67,5 @@ fn tell(config: &Config, bytes: &[u8]) {
 }
 
 fn lifecycle(config: Config) -> Result<AnyLifecycle, String> {
-    crate::build::lifecycle(config, SharedData, &mut random)
+    crate::assemble::lifecycle(config, SharedData, &mut random)
 }

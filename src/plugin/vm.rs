@@ -12,7 +12,7 @@ use crate::lifecycle::{CallId, Effect, Reply};
 use crate::metrics::{Counter, Gauge};
 use crate::store::{CallKind, CallRequest};
 
-pub use crate::build::AnyLifecycle;
+pub use crate::assemble::AnyLifecycle;
 
 pub struct Vm {
     lifecycle: RefCell<AnyLifecycle>,

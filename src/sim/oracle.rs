@@ -348,12 +348,12 @@ impl World {
         let variant = self.reqs[r].variant;
         let matches = |w: &World, g: usize| {
             let o = &w.flights[g];
-            let same_grpc = crate::grpc::status_of(
+            let same_grpc = crate::lifecycle::grpc_reply::status_of(
                 o.answer.headers.iter().chain(o.answer.trailers.iter()).map(|(n, v)| (n.as_str(), v.as_slice())),
             ) == got.grpc;
             o.variant == variant && same_grpc && (o.answer.status == got.status || w.combo.is_grpc())
         };
-        if got.grpc == Some(crate::grpc::FAILED_PRECONDITION) && self.combo.is_grpc() {
+        if got.grpc == Some(crate::lifecycle::grpc_reply::FAILED_PRECONDITION) && self.combo.is_grpc() {
             // Not replayable over gRPC without the loopback: a completed call must exist.
             if done.is_empty() {
                 self.check.fail("completed_without_completion", self.now, format!("req {r}: {got:?}"));

@@ -11,7 +11,7 @@ use super::check::Checker;
 use super::history::{bucket_entry, Claim, History, KeyId, Locator, Mark};
 use super::net::{Faults, Queue, Rng, Trouble, Window};
 use super::{Combo, Protocol, Report, StoreKind, FENCE_HEADER, LEASE_MS, MAX_RESPONSE_BYTES};
-use crate::build::AnyLifecycle;
+use crate::assemble::AnyLifecycle;
 use crate::config::Config;
 use crate::encoding::decode_entry;
 use crate::host::memory::MemoryKv;
@@ -426,7 +426,7 @@ impl World {
         let rng = &mut self.rng;
         let told = super::tap::Told::default();
         let tap = |inner| Box::new(super::tap::Tap { inner, told: told.clone() }) as Box<dyn crate::store::Store>;
-        let lifecycle = match crate::build::lifecycle_wrapped(config, kv, &mut || rng.next(), tap) {
+        let lifecycle = match crate::assemble::lifecycle_wrapped(config, kv, &mut || rng.next(), tap) {
             Ok(l) => l,
             Err(e) => panic!("lifecycle: {e}"),
         };
@@ -922,10 +922,10 @@ impl World {
                 Got { status: p.status, grpc: None, body: p.body().to_vec(), replayed: false, problem: Some(p.slug()) }
             }
             Reply::Stored { response, replayed } => {
-                let trailers = crate::grpc::trailers_and_headers(response);
+                let trailers = crate::lifecycle::grpc_reply::trailers_and_headers(response);
                 Got {
                     status: response.status(),
-                    grpc: crate::grpc::status_of(trailers),
+                    grpc: crate::lifecycle::grpc_reply::status_of(trailers),
                     body: response.body().to_vec(),
                     replayed: *replayed,
                     problem: None,
@@ -1221,7 +1221,7 @@ impl World {
     fn forward_by_router(&mut self, r: usize) {
         let vm = self.reqs[r].vm;
         let headers = self.reqs[r].headers.clone();
-        let loopback = header(&headers, ":path") == Some(crate::grpc::REPLAY_PATH.as_bytes());
+        let loopback = header(&headers, ":path") == Some(crate::lifecycle::grpc_reply::REPLAY_PATH.as_bytes());
         self.new_flight(r, vm, None, loopback, &headers);
     }
 
@@ -1523,7 +1523,7 @@ impl World {
             answer.body = body;
             answer.trailers = trailers;
         }
-        let grpc = crate::grpc::status_of(
+        let grpc = crate::lifecycle::grpc_reply::status_of(
             answer.headers.iter().chain(answer.trailers.iter()).map(|(n, v)| (n.as_str(), v.as_slice())),
         );
         let replayed = answer.headers.iter().any(|(n, _)| n == "idempotent-replayed");
@@ -1621,10 +1621,12 @@ pub(super) fn parse_tag(body: &[u8]) -> Option<(usize, u64, u64)> {
 /// The plugin's problem a gRPC answer stands for, by the slug of its HTTP form.
 fn grpc_problem(code: u32, message: &str) -> Option<&'static str> {
     match code {
-        crate::grpc::ABORTED => Some("in-progress"),
-        crate::grpc::FAILED_PRECONDITION if message.contains("not stored") => Some("response-not-stored"),
-        crate::grpc::FAILED_PRECONDITION => None,
-        crate::grpc::OK => None,
+        crate::lifecycle::grpc_reply::ABORTED => Some("in-progress"),
+        crate::lifecycle::grpc_reply::FAILED_PRECONDITION if message.contains("not stored") => {
+            Some("response-not-stored")
+        }
+        crate::lifecycle::grpc_reply::FAILED_PRECONDITION => None,
+        crate::lifecycle::grpc_reply::OK => None,
         _ if message.contains("eff:") => None,
         _ => Some("grpc-error"),
     }

@@ -3,15 +3,15 @@
 
 use std::rc::Rc;
 
+use super::budget::Group;
+use super::problem::Problem;
 use super::request::{self, Outbound, Pending};
 use super::{Held, Holding, Lifecycle, Outgoing, Phase, Reply};
-use crate::budget::Group;
 use crate::config::{OnConflict, OnUnavailable, StoreConfig};
 use crate::defects::{planted, Defect};
 use crate::encoding::StoredResponse;
 use crate::host::{Flow, HeaderMap, Host};
 use crate::metrics::Counter;
-use crate::problem::Problem;
 use crate::store::{Answer, Began, Claim, Completed, For, Owner, Store};
 
 /// What the request does after its claim's answer.
@@ -68,7 +68,7 @@ impl<S: Store> Lifecycle<S> {
             next_poll_ms: 0,
             polling: false,
             _buffered: None,
-            group: crate::budget::Group::UNKNOWN,
+            group: super::budget::Group::UNKNOWN,
         });
         let mut lazy =
             LazyOutbound { host: Some(host), parts: Some((headers, body)), via: policy.detached_via.as_deref() };
@@ -196,7 +196,7 @@ impl<S: Store> Lifecycle<S> {
     fn replays_through_loopback(&self, id: u32, response: &StoredResponse) -> bool {
         self.config.grpc_replay_loopback
             && self.streams.get(&id).is_some_and(|s| s.grpc)
-            && crate::grpc::trailers_only_status(response).is_none()
+            && super::grpc_reply::trailers_only_status(response).is_none()
     }
 
     fn refuse(&mut self, id: u32, counter: Counter, problem: Problem) -> Next {
@@ -263,7 +263,7 @@ impl<S: Store> Lifecycle<S> {
         // A caller (callers not known, together) holds at most half the wait slots and half
         // the buffer: one caller running them out gets its 409 itself.
         let group = self.known.group(held.caller);
-        let slots = crate::budget::fits(
+        let slots = super::budget::fits(
             self.waiting,
             self.waiting_by.get(&group).copied().unwrap_or(0),
             1,

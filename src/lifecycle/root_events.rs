@@ -1,10 +1,10 @@
 //! The root's events: the timer (renewal, held requests, the body-delivery check, the store's
 //! own work), the shared queue (calls to send), and the answers to calls.
 
+use super::budget::Group;
+use super::problem::Problem;
 use super::{CallId, Effect, Lifecycle, Phase};
-use crate::budget::Group;
 use crate::host::Host;
-use crate::problem::Problem;
 use crate::store::{CallAnswer, Store};
 
 /// How long a covered request may wait for its first body callback before we conclude that
@@ -45,7 +45,7 @@ impl<S: Store> Lifecycle<S> {
         if let CallId::Upstream(n) = call {
             if self.calls.get(&n).is_some_and(|c| c.grpc) {
                 let trailers = host.call_trailers().into_iter();
-                headers.extend(trailers.map(|(n, v)| (format!("{}{n}", crate::grpc::TRAILER), v)));
+                headers.extend(trailers.map(|(n, v)| (format!("{}{n}", super::grpc_reply::TRAILER), v)));
             }
         }
         let status = super::forward::status_of(&headers);

@@ -8,9 +8,9 @@
 
 use prost::Message;
 
+use super::problem::Problem;
 use crate::encoding::StoredResponse;
 use crate::host::Headers;
-use crate::problem::Problem;
 
 pub const OK: u32 = 0;
 pub const INVALID_ARGUMENT: u32 = 3;
@@ -29,27 +29,6 @@ pub const TRAILER: &str = ":t:";
 /// loopback (`grpc_replays: "loopback"`, docs/configuration.md). Should it reach a gRPC
 /// server instead, no method of that name runs: it answers UNIMPLEMENTED.
 pub const REPLAY_PATH: &str = "/__idempotency/replay";
-
-/// The gRPC status codes by name (`release_grpc_statuses` takes names or numbers).
-pub const NAMES: [&str; 17] = [
-    "OK",
-    "CANCELLED",
-    "UNKNOWN",
-    "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",
-    "NOT_FOUND",
-    "ALREADY_EXISTS",
-    "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED",
-    "FAILED_PRECONDITION",
-    "ABORTED",
-    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",
-    "INTERNAL",
-    "UNAVAILABLE",
-    "DATA_LOSS",
-    "UNAUTHENTICATED",
-];
 
 /// A trailers-only gRPC answer: the status, its message and the metadata that goes with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
