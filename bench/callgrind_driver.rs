@@ -15,7 +15,7 @@
 //! Usage: callgrind_driver <claim|complete|replay|conflict|request> [N]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use idempotency::store::table::{Begin, Layout, Table, Ticket};
+use idempotency::store::table::{Verdict, Layout, Table, Ticket};
 use idempotency::encoding::StoredResponse;
 use idempotency::fingerprint::{Fingerprint, FingerprintBuilder};
 use idempotency::key::{parse_key, StoreKey};
@@ -42,7 +42,7 @@ fn fp() -> Fingerprint {
 }
 
 #[inline(never)]
-fn op_claim(t: &Table<MemoryKv>, k: &StoreKey, f: &Fingerprint) -> Begin {
+fn op_claim(t: &Table<MemoryKv>, k: &StoreKey, f: &Fingerprint) -> Verdict {
     t.begin(k, f, NOW, 10_000).unwrap()
 }
 
@@ -52,12 +52,12 @@ fn op_complete(t: &Table<MemoryKv>, ticket: &Ticket, r: &mut StoredResponse) {
 }
 
 #[inline(never)]
-fn op_replay(t: &Table<MemoryKv>, k: &StoreKey, f: &Fingerprint) -> Begin {
+fn op_replay(t: &Table<MemoryKv>, k: &StoreKey, f: &Fingerprint) -> Verdict {
     t.begin(k, f, NOW + 10, 10_000).unwrap()
 }
 
 #[inline(never)]
-fn op_conflict(t: &Table<MemoryKv>, k: &StoreKey, f: &Fingerprint) -> Begin {
+fn op_conflict(t: &Table<MemoryKv>, k: &StoreKey, f: &Fingerprint) -> Verdict {
     t.begin(k, f, NOW + 10, 10_000).unwrap()
 }
 
@@ -74,7 +74,7 @@ fn op_request(t: &Table<MemoryKv>, raw_key: &[u8]) -> String {
     let begin = t.begin(&k, &f, NOW, 10_000).unwrap();
     // log::debug!("key {} -> {}", key.short(), describe(&begin)), formatted whatever the level.
     let what = match &begin {
-        Begin::Claimed { ticket, takeover, .. } => format!("claimed slot {} gen {} (takeover: {takeover})", ticket.slot, ticket.gen),
+        Verdict::Claimed { ticket, takeover, .. } => format!("claimed slot {} gen {} (takeover: {takeover})", ticket.slot, ticket.gen),
         _ => String::from("other"),
     };
     format!("key {} -> {}", k.short(), what)
@@ -99,7 +99,7 @@ fn main() {
             let tickets: Vec<Ticket> = keys
                 .iter()
                 .map(|k| match t.begin(k, &f, NOW, 10_000).unwrap() {
-                    Begin::Claimed { ticket, .. } => ticket,
+                    Verdict::Claimed { ticket, .. } => ticket,
                     other => panic!("{other:?}"),
                 })
                 .collect();
@@ -111,7 +111,7 @@ fn main() {
         }
         "replay" | "conflict" => {
             for k in keys.iter().take(1000) {
-                if let Begin::Claimed { ticket, .. } = t.begin(k, &f, NOW, 10_000).unwrap() {
+                if let Verdict::Claimed { ticket, .. } = t.begin(k, &f, NOW, 10_000).unwrap() {
                     if mode == "replay" {
                         t.complete(&ticket, Some(&mut r.clone()), NOW, 86_400_000).unwrap();
                     }
@@ -120,7 +120,7 @@ fn main() {
             for i in 0..n {
                 let k = &keys[(i % 1000) as usize];
                 let out = if mode == "replay" { op_replay(&t, k, &f) } else { op_conflict(&t, k, &f) };
-                assert!(matches!(out, Begin::Replay(_) | Begin::InProgress));
+                assert!(matches!(out, Verdict::Replay(_) | Verdict::InProgress));
                 black_box(out);
             }
         }

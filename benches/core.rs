@@ -19,7 +19,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use idempotency::fingerprint::{Fingerprint, FingerprintBuilder};
 use idempotency::host::memory::MemoryKv;
 use idempotency::key::StoreKey;
-use idempotency::store::table::{Begin, Layout, Table, Ticket};
+use idempotency::store::table::{Layout, Table, Ticket, Verdict};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -56,7 +56,7 @@ fn fingerprint(body: &[u8]) -> Fingerprint {
 
 fn claim(t: &Table<MemoryKv>, k: &StoreKey, fp: &Fingerprint) -> Ticket {
     match t.begin(k, fp, NOW, LEASE_MS).unwrap() {
-        Begin::Claimed { ticket, .. } => ticket,
+        Verdict::Claimed { ticket, .. } => ticket,
         other => panic!("expected a claim, got {other:?}"),
     }
 }
@@ -145,14 +145,14 @@ fn benches(c: &mut Criterion) {
             t.complete(&ticket, Some(&mut response.clone()), NOW, RETENTION_MS).unwrap();
         }
         let k = key(7);
-        assert!(matches!(t.begin(&k, &fp, NOW + 10, LEASE_MS).unwrap(), Begin::Replay(_)));
+        assert!(matches!(t.begin(&k, &fp, NOW + 10, LEASE_MS).unwrap(), Verdict::Replay(_)));
         g.bench_function("replay_1KiB", |b| {
             b.iter(|| black_box(t.begin(black_box(&k), &fp, NOW + 10, LEASE_MS).unwrap()))
         });
 
         let busy = key(PER_TABLE + 1);
         claim(&t, &busy, &fp);
-        assert_eq!(t.begin(&busy, &fp, NOW + 10, LEASE_MS).unwrap(), Begin::InProgress);
+        assert_eq!(t.begin(&busy, &fp, NOW + 10, LEASE_MS).unwrap(), Verdict::InProgress);
         g.bench_function("conflict", |b| {
             b.iter(|| black_box(t.begin(black_box(&busy), &fp, NOW + 10, LEASE_MS).unwrap()))
         });

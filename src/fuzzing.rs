@@ -7,7 +7,7 @@ use crate::fingerprint::Fingerprint;
 use crate::host::memory::MemoryKv;
 use crate::host::SharedKv;
 use crate::key::{parse_key, StoreKey};
-use crate::store::table::{decide, Begin, Layout, Table};
+use crate::store::table::{decide, Layout, Table, Verdict};
 use crate::store::StoreError;
 
 /// The plugin configuration: parse, and if accepted, look up a policy.
@@ -52,7 +52,7 @@ pub fn entry(data: &[u8]) {
     let is_bucket = Bucket::decode(data.to_vec()).is_ok();
     let begin = table.begin(&k, &Fingerprint::default(), 1, 10);
     let refused = matches!(begin, Err(StoreError::Corrupt(_)));
-    let decided = is_bucket && matches!(begin, Ok(ref b) if !matches!(b, Begin::Replay(_)));
+    let decided = is_bucket && matches!(begin, Ok(ref b) if !matches!(b, Verdict::Replay(_)));
     assert!(refused || decided, "planted bucket: {begin:?}");
     assert_eq!(table.sweep(0, u64::MAX, None).is_err(), !is_bucket);
 
@@ -62,14 +62,14 @@ pub fn entry(data: &[u8]) {
     if table.create().is_err() {
         return;
     }
-    if let Ok(Begin::Claimed { ticket, .. }) = table.begin(&k, &Fingerprint::default(), 1, 10) {
+    if let Ok(Verdict::Claimed { ticket, .. }) = table.begin(&k, &Fingerprint::default(), 1, 10) {
         let mut response = StoredResponse::new(200, [], b"ok".to_vec());
         let _ = table.complete(&ticket, Some(&mut response), 1, 100);
         let _ = table.store().set(&format!("g:t2:1:d{}", ticket.slot), data, None);
         let ours = StoredResponse::decode(data.to_vec()).ok().filter(|(g, k, _)| *g == ticket.gen && *k == ticket.key);
         let begin = table.begin(&k, &Fingerprint::default(), 2, 10);
         let ok = match (&begin, ours) {
-            (Ok(Begin::Replay(r)), Some((_, _, planted))) => **r == planted,
+            (Ok(Verdict::Replay(r)), Some((_, _, planted))) => **r == planted,
             (Err(StoreError::Corrupt(_)), None) => true,
             _ => false,
         };

@@ -12,7 +12,7 @@ use idempotency::encoding::StoredResponse;
 use idempotency::fingerprint::Fingerprint;
 use idempotency::host::{KvError, SharedKv};
 use idempotency::key::StoreKey;
-use idempotency::store::table::{Begin, Completed, Finish, Layout, Table, Ticket};
+use idempotency::store::table::{Completion, Finish, Layout, Table, Ticket, Verdict};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use std::collections::HashMap;
@@ -71,15 +71,15 @@ fn body(name: &str) -> StoredResponse {
 /// Completes with `name`'s response: whether it was stored.
 fn complete(t: &Table<LoomKv>, ticket: &Ticket, name: &str, now: u64) -> bool {
     match t.complete(ticket, Some(&mut body(name)), now, RETENTION).unwrap() {
-        Completed::Stored(_) => true,
-        Completed::Lost => false,
+        Completion::Stored(_) => true,
+        Completion::Lost => false,
         other => panic!("{other:?}"),
     }
 }
 
 fn claim(t: &Table<LoomKv>, now: u64) -> Option<Ticket> {
     match t.begin(&key(), &Fingerprint::default(), now, LEASE).unwrap() {
-        Begin::Claimed { ticket, .. } => Some(ticket),
+        Verdict::Claimed { ticket, .. } => Some(ticket),
         _ => None,
     }
 }
@@ -116,7 +116,7 @@ fn late_owner_takeover_and_observer() {
         let c = {
             let t = t.clone();
             thread::spawn(move || match t.begin(&key(), &Fingerprint::default(), 17, LEASE).unwrap() {
-                Begin::Replay(r) => Some(r.body().to_vec()),
+                Verdict::Replay(r) => Some(r.body().to_vec()),
                 _ => None,
             })
         };
@@ -127,12 +127,12 @@ fn late_owner_takeover_and_observer() {
         let last = t.begin(&key(), &Fingerprint::default(), 18, LEASE).unwrap();
         match winners.first() {
             Some(w) => {
-                assert_eq!(last, Begin::Replay(std::rc::Rc::new(body(w))), "the stored response is the winner's");
+                assert_eq!(last, Verdict::Replay(std::rc::Rc::new(body(w))), "the stored response is the winner's");
                 if let Some(seen) = seen {
                     assert_eq!(seen, w.as_bytes(), "an observer saw another response");
                 }
             }
-            None => assert!(!matches!(last, Begin::Replay(_)), "a replay without a completion"),
+            None => assert!(!matches!(last, Verdict::Replay(_)), "a replay without a completion"),
         }
     });
 }
@@ -166,16 +166,16 @@ fn renewal_against_takeover() {
             (Some(a), Some(b)) => {
                 assert_eq!(a, (Finish::Lost, false), "the taken-over owner still acted");
                 assert!(b, "the new owner could not complete");
-                assert_eq!(last, Begin::Replay(std::rc::Rc::new(body("B"))));
+                assert_eq!(last, Verdict::Replay(std::rc::Rc::new(body("B"))));
             }
             // A renewed in time (B met its mark), or B claimed first (A met B's): one owner.
             (Some(a), None) => {
                 assert_eq!(a, (Finish::Done, true));
-                assert_eq!(last, Begin::Replay(std::rc::Rc::new(body("A"))));
+                assert_eq!(last, Verdict::Replay(std::rc::Rc::new(body("A"))));
             }
             (None, Some(b)) => {
                 assert!(b);
-                assert_eq!(last, Begin::Replay(std::rc::Rc::new(body("B"))));
+                assert_eq!(last, Verdict::Replay(std::rc::Rc::new(body("B"))));
             }
             (None, None) => panic!("nobody got the key"),
         }
@@ -213,7 +213,7 @@ fn release_then_two_retries() {
         if let Some((name, true)) = claimed.first() {
             assert_eq!(
                 t.begin(&key(), &Fingerprint::default(), 4, LEASE).unwrap(),
-                Begin::Replay(std::rc::Rc::new(body(name)))
+                Verdict::Replay(std::rc::Rc::new(body(name)))
             );
         }
     });

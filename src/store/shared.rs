@@ -13,7 +13,7 @@ use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::host::SharedKv;
 use crate::key::StoreKey;
-use crate::store::table::{self, Begin, Census, Finish, Heaviest, ReplayCache, Table, Ticket};
+use crate::store::table::{self, Census, Finish, Heaviest, ReplayCache, Table, Ticket, Verdict};
 use crate::store::Change;
 
 /// Buckets swept per second and VM: a 1,024-bucket table is swept every 2.5 s per worker.
@@ -31,7 +31,7 @@ enum Retry {
 }
 
 /// A claim this VM holds, as its last acknowledged write left it in the table.
-struct Held {
+struct HeldClaim {
     key: StoreKey,
     fingerprint: Fingerprint,
     /// The entry's deadline as this VM last wrote it: until then no other worker can take the
@@ -47,7 +47,7 @@ pub struct SharedStore<S> {
     tickets: IdMap<u64, Ticket>,
     /// The claims this VM holds (by owner id), and the owner of each by the first 8 bytes of
     /// its store key (a SHA-256's: no caller chooses them; two that meet only miss).
-    held: IdMap<u64, Held>,
+    held: IdMap<u64, HeldClaim>,
     held_by_key: IdMap<u64, u64>,
     /// The latest time this VM has read: a clock that steps back (wall time) could make a
     /// passed deadline look ahead, so below it nothing is answered from `held`.
@@ -116,7 +116,7 @@ impl<S: SharedKv> SharedStore<S> {
 
     fn hold(&mut self, id: u64, claim: &Claim, now_ms: u64) {
         let live_until_ms = now_ms.saturating_add(claim.lease_ms);
-        self.held.insert(id, Held { key: claim.key, fingerprint: claim.fingerprint, live_until_ms });
+        self.held.insert(id, HeldClaim { key: claim.key, fingerprint: claim.fingerprint, live_until_ms });
         self.held_by_key.insert(key_prefix(&claim.key), id);
     }
 
@@ -154,9 +154,9 @@ impl<S: SharedKv> SharedStore<S> {
             Ok(done) => {
                 self.tickets.remove(&owner.id);
                 let completed = match done {
-                    table::Completed::Stored(change) => Completed::Stored { change, response },
-                    table::Completed::WithoutBody(change) => Completed::WithoutBody { change, response },
-                    table::Completed::Lost => Completed::Lost { response },
+                    table::Completion::Stored(change) => Completed::Stored { change, response },
+                    table::Completion::WithoutBody(change) => Completed::WithoutBody { change, response },
+                    table::Completion::Lost => Completed::Lost { response },
                 };
                 if let Completed::Stored { change, .. } | Completed::WithoutBody { change, .. } = &completed {
                     let change = *change;
@@ -254,16 +254,16 @@ fn key_prefix(key: &StoreKey) -> u64 {
     crate::bytes::u64_at(&key.0, 0)
 }
 
-fn began(begin: Begin, owner: Option<Owner>, now_ms: u64) -> Began {
+fn began(begin: Verdict, owner: Option<Owner>, now_ms: u64) -> Began {
     match (begin, owner) {
-        (Begin::Claimed { takeover, change, .. }, Some(owner)) => {
+        (Verdict::Claimed { takeover, change, .. }, Some(owner)) => {
             Began::Claimed { owner, takeover, change, leased_ms: now_ms }
         }
-        (Begin::Claimed { .. }, None) | (Begin::InProgress, _) => Began::InProgress,
-        (Begin::Replay(r), _) => Began::Replay(r),
-        (Begin::CompletedWithoutBody, _) => Began::CompletedWithoutBody,
-        (Begin::Mismatch, _) => Began::Mismatch,
-        (Begin::Full { retry_after_ms }, _) => Began::Full { retry_after_s: retry_after_ms.div_ceil(1000).max(1) },
+        (Verdict::Claimed { .. }, None) | (Verdict::InProgress, _) => Began::InProgress,
+        (Verdict::Replay(r), _) => Began::Replay(r),
+        (Verdict::CompletedWithoutBody, _) => Began::CompletedWithoutBody,
+        (Verdict::Mismatch, _) => Began::Mismatch,
+        (Verdict::Full { retry_after_ms }, _) => Began::Full { retry_after_s: retry_after_ms.div_ceil(1000).max(1) },
     }
 }
 
@@ -286,7 +286,7 @@ impl<S: SharedKv> Store for SharedStore<S> {
             Err(e) => return Some(Answer::Began(Began::Failed(e))),
         };
         let owner = match &begin {
-            Begin::Claimed { ticket, change, .. } => {
+            Verdict::Claimed { ticket, change, .. } => {
                 let change = *change;
                 self.note(&change);
                 let id = self.next_owner;

@@ -11,7 +11,7 @@ use crate::encoding::StoredResponse;
 use crate::fingerprint::Fingerprint;
 use crate::host::SharedKv;
 use crate::key::StoreKey;
-use crate::store::table::{Begin, ReplayCache, Table};
+use crate::store::table::{ReplayCache, Table, Verdict};
 use crate::store::Began;
 use crate::store::Change;
 
@@ -63,9 +63,9 @@ impl<S: SharedKv> LocalReplays<S> {
 impl<S: SharedKv> Replays for LocalReplays<S> {
     fn lookup(&mut self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64) -> Option<Began> {
         match self.table.lookup_with(key, fingerprint, now_ms, &mut self.cache) {
-            Ok(Some(Begin::Replay(r))) => Some(Began::Replay(r)),
-            Ok(Some(Begin::CompletedWithoutBody)) => Some(Began::CompletedWithoutBody),
-            Ok(Some(Begin::Mismatch)) => Some(Began::Mismatch),
+            Ok(Some(Verdict::Replay(r))) => Some(Began::Replay(r)),
+            Ok(Some(Verdict::CompletedWithoutBody)) => Some(Began::CompletedWithoutBody),
+            Ok(Some(Verdict::Mismatch)) => Some(Began::Mismatch),
             Ok(_) => None,
             Err(e) => {
                 log::debug!("local replays: lookup failed ({e:?}); asking etcd");

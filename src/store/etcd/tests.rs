@@ -1229,7 +1229,7 @@ fn a_copy_left_half_written_is_swept_without_moving_the_in_progress_gauge() {
     let c = claim("k");
     assert!(matches!(
         other_worker.begin(&c.key, &c.fingerprint, 0, 1_000),
-        Ok(crate::store::table::Begin::Claimed { .. })
+        Ok(crate::store::table::Verdict::Claimed { .. })
     ));
     let mut copies = LocalReplays::new(table, 0, 0);
     let mut in_progress = 0;
@@ -1240,6 +1240,6 @@ fn a_copy_left_half_written_is_swept_without_moving_the_in_progress_gauge() {
     let again = Table::new(kv, layout());
     assert!(matches!(
         again.begin(&c.key, &c.fingerprint, 6_000, 1_000),
-        Ok(crate::store::table::Begin::Claimed { .. })
+        Ok(crate::store::table::Verdict::Claimed { .. })
     ));
 }

@@ -56,7 +56,7 @@ pub struct Ticket {
 
 /// What a covered request meets (docs/behaviour.md §3.2–3.4).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Begin {
+pub enum Verdict {
     /// The key is ours: go upstream. `takeover` when it held this key's expired mark.
     Claimed { ticket: Ticket, takeover: bool, change: Change },
     /// Another call with the same fingerprint is in progress: 409 (or wait).
@@ -82,7 +82,7 @@ pub enum Finish {
 
 /// What the owner's completion achieved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Completed {
+pub enum Completion {
     /// The response is stored and replays.
     Stored(Change),
     /// The key is completed without its response (none given, larger than the bucket's share
@@ -367,7 +367,7 @@ impl<S: SharedKv> Table<S> {
     }
 
     /// Keeps every completed entry for `window_ms` at least, whatever room others need: a new
-    /// key is refused (`Begin::Full`) and an answer completes unstored rather than evict one.
+    /// key is refused (`Verdict::Full`) and an answer completes unstored rather than evict one.
     pub fn with_window(mut self, window_ms: u64) -> Self {
         self.window_ms = window_ms;
         self
@@ -435,7 +435,7 @@ impl<S: SharedKv> Table<S> {
         fingerprint: &Fingerprint,
         now_ms: u64,
         lease_ms: u64,
-    ) -> Result<Begin, StoreError> {
+    ) -> Result<Verdict, StoreError> {
         self.begin_with(key, fingerprint, Caller::ANONYMOUS, now_ms, lease_ms, &mut ReplayCache::new(0))
     }
 
@@ -450,10 +450,10 @@ impl<S: SharedKv> Table<S> {
         now_ms: u64,
         lease_ms: u64,
         cache: &mut ReplayCache,
-    ) -> Result<Begin, StoreError> {
+    ) -> Result<Verdict, StoreError> {
         let (bucket_id, tag) = self.layout.locate(key);
         if let Some(response) = cache.trusted(&tag, fingerprint, now_ms) {
-            return Ok(Begin::Replay(response));
+            return Ok(Verdict::Replay(response));
         }
         // A completed entry whose data key did not hold its response, last round.
         let mut unmatched: Option<(usize, u64)> = None;
@@ -463,7 +463,7 @@ impl<S: SharedKv> Table<S> {
                 Decision::Claim { entry, takeover, below_share } => {
                     let claim = Claiming { bucket_id, entry, tag, fingerprint, caller, takeover, below_share };
                     if let Some(claimed) = self.try_claim(bucket, cas, claim, now_ms, lease_ms)? {
-                        if let Begin::Claimed { ticket, .. } = &claimed {
+                        if let Verdict::Claimed { ticket, .. } = &claimed {
                             // What the slot held is gone, and so is what was kept of the key.
                             cache.forget(ticket.slot);
                             cache.forget_key(&tag);
@@ -471,14 +471,14 @@ impl<S: SharedKv> Table<S> {
                         return Ok(claimed);
                     }
                 }
-                Decision::InProgress => return Ok(Begin::InProgress),
-                Decision::Mismatch => return Ok(Begin::Mismatch),
-                Decision::Full { retry_after_ms } => return Ok(Begin::Full { retry_after_ms }),
-                Decision::Completed { no_body: true, .. } => return Ok(Begin::CompletedWithoutBody),
+                Decision::InProgress => return Ok(Verdict::InProgress),
+                Decision::Mismatch => return Ok(Verdict::Mismatch),
+                Decision::Full { retry_after_ms } => return Ok(Verdict::Full { retry_after_ms }),
+                Decision::Completed { no_body: true, .. } => return Ok(Verdict::CompletedWithoutBody),
                 Decision::Completed { entry, no_body: false } => {
                     let expected = bucket.entry(entry)?;
                     if let Some(response) = self.kept_or_read(slot_of(bucket_id, entry), &expected, cache, now_ms)? {
-                        return Ok(Begin::Replay(response));
+                        return Ok(Verdict::Replay(response));
                     }
                     // The entry changed hands between the two reads: decide again. Twice the
                     // same entry without its response is not a race but a damaged store.
@@ -501,7 +501,7 @@ impl<S: SharedKv> Table<S> {
         c: Claiming,
         now_ms: u64,
         lease_ms: u64,
-    ) -> Result<Option<Begin>, StoreError> {
+    ) -> Result<Option<Verdict>, StoreError> {
         let old = bucket.entry(c.entry)?;
         let claimed = Entry {
             state: State::InProgress,
@@ -532,7 +532,7 @@ impl<S: SharedKv> Table<S> {
             self.free_data(slot, old.gen);
         }
         let ticket = Ticket { slot, gen: claimed.gen, key: c.tag };
-        Ok(Some(Begin::Claimed { ticket, takeover: c.takeover, change }))
+        Ok(Some(Verdict::Claimed { ticket, takeover: c.takeover, change }))
     }
 
     /// The stored response of `entry`, or `None` if the data key no longer belongs to it.
@@ -608,7 +608,7 @@ impl<S: SharedKv> Table<S> {
         response: Option<&mut StoredResponse>,
         now_ms: u64,
         retention_ms: u64,
-    ) -> Result<Completed, StoreError> {
+    ) -> Result<Completion, StoreError> {
         self.complete_with(t, response, now_ms, retention_ms, &mut ReplayCache::new(0))
     }
 
@@ -620,7 +620,7 @@ impl<S: SharedKv> Table<S> {
         now_ms: u64,
         retention_ms: u64,
         cache: &mut ReplayCache,
-    ) -> Result<Completed, StoreError> {
+    ) -> Result<Completion, StoreError> {
         let response = response.filter(|r| r.stored_len() as u64 <= self.layout.bucket_bytes);
         let mut bytes = response.as_ref().map_or(0, |r| r.stored_len() as u64);
         let mut read = None;
@@ -628,7 +628,7 @@ impl<S: SharedKv> Table<S> {
             response.stamp(t.gen, &t.key);
             match self.write_response(t, response)? {
                 Some(bucket) => read = Some(bucket),
-                None => return Ok(Completed::Lost),
+                None => return Ok(Completion::Lost),
             }
         }
         let (bucket_id, index) = split_slot(t.slot);
@@ -640,7 +640,7 @@ impl<S: SharedKv> Table<S> {
             };
             let mut entry = bucket.entry(index)?;
             if !owns(&entry, t) {
-                return Ok(Completed::Lost);
+                return Ok(Completion::Lost);
             }
             let mut change = Change { in_progress: -1, completed: 1, bytes: bytes as i64, ..Change::default() };
             let budget = self.layout.bucket_bytes;
@@ -680,7 +680,7 @@ impl<S: SharedKv> Table<S> {
                 if dropped {
                     self.free_data(t.slot, t.gen); // the response written first is not kept
                 }
-                return Ok(if bytes > 0 { Completed::Stored(change) } else { Completed::WithoutBody(change) });
+                return Ok(if bytes > 0 { Completion::Stored(change) } else { Completion::WithoutBody(change) });
             }
         }
         Err(StoreError::Contention)
@@ -742,7 +742,12 @@ impl<S: SharedKv> Table<S> {
     /// A read-only look for the local cache of a fleet store: what a live completed entry of
     /// the key says (`None`: no such entry here; anything else, in progress included, is
     /// for the fleet store to decide).
-    pub fn lookup(&self, key: &StoreKey, fingerprint: &Fingerprint, now_ms: u64) -> Result<Option<Begin>, StoreError> {
+    pub fn lookup(
+        &self,
+        key: &StoreKey,
+        fingerprint: &Fingerprint,
+        now_ms: u64,
+    ) -> Result<Option<Verdict>, StoreError> {
         self.lookup_with(key, fingerprint, now_ms, &mut ReplayCache::new(0))
     }
 
@@ -753,10 +758,10 @@ impl<S: SharedKv> Table<S> {
         fingerprint: &Fingerprint,
         now_ms: u64,
         cache: &mut ReplayCache,
-    ) -> Result<Option<Begin>, StoreError> {
+    ) -> Result<Option<Verdict>, StoreError> {
         let (bucket_id, tag) = self.layout.locate(key);
         if let Some(response) = cache.trusted(&tag, fingerprint, now_ms) {
-            return Ok(Some(Begin::Replay(response)));
+            return Ok(Some(Verdict::Replay(response)));
         }
         let (bucket, _) = self.read_bucket(bucket_id)?;
         for i in 0..ENTRIES {
@@ -765,12 +770,12 @@ impl<S: SharedKv> Table<S> {
                 continue;
             }
             return Ok(if entry.fingerprint != *fingerprint {
-                Some(Begin::Mismatch)
+                Some(Verdict::Mismatch)
             } else if entry.state == State::CompletedNoBody {
-                Some(Begin::CompletedWithoutBody)
+                Some(Verdict::CompletedWithoutBody)
             } else {
                 // `None` if the entry changed hands between the two reads: ask the fleet.
-                self.kept_or_read(slot_of(bucket_id, i), &entry, cache, now_ms)?.map(Begin::Replay)
+                self.kept_or_read(slot_of(bucket_id, i), &entry, cache, now_ms)?.map(Verdict::Replay)
             });
         }
         Ok(None)
@@ -794,15 +799,15 @@ impl<S: SharedKv> Table<S> {
         // Between the two writes the entry is a mark for a moment: lookups skip it, and it
         // expires after a second if the completion never comes.
         let mut no_cache = ReplayCache::new(0);
-        let Begin::Claimed { ticket, change: claimed, .. } =
+        let Verdict::Claimed { ticket, change: claimed, .. } =
             self.begin_with(key, fingerprint, caller, now_ms, 1_000, &mut no_cache)?
         else {
             return Ok(Change::default());
         };
         let mut copy = response.cloned();
         let change = match self.complete(&ticket, copy.as_mut(), now_ms, deadline_ms - now_ms)? {
-            Completed::Stored(c) | Completed::WithoutBody(c) => c,
-            Completed::Lost => Change::default(),
+            Completion::Stored(c) | Completion::WithoutBody(c) => c,
+            Completion::Lost => Change::default(),
         };
         Ok(Change {
             in_progress: claimed.in_progress + change.in_progress,

@@ -39,31 +39,31 @@ fn response(body: &str) -> StoredResponse {
 }
 
 /// What `begin` answers for a completed entry whose response is `r`.
-fn replay(r: StoredResponse) -> Begin {
-    Begin::Replay(Rc::new(r))
+fn replay(r: StoredResponse) -> Verdict {
+    Verdict::Replay(Rc::new(r))
 }
 
-fn done(c: Completed) -> Change {
+fn done(c: Completion) -> Change {
     match c {
-        Completed::Stored(change) => change,
+        Completion::Stored(change) => change,
         other => panic!("expected a stored completion, got {other:?}"),
     }
 }
 
-fn complete(t: &Table<MemoryKv>, ticket: &Ticket, body: &str, now: u64, retention: u64) -> Completed {
+fn complete(t: &Table<MemoryKv>, ticket: &Ticket, body: &str, now: u64, retention: u64) -> Completion {
     t.complete(ticket, Some(&mut response(body)), now, retention).unwrap()
 }
 
 fn claim(t: &Table<MemoryKv>, k: u64, now: u64) -> Ticket {
     match t.begin(&key(k), &fp(1), now, LEASE).unwrap() {
-        Begin::Claimed { ticket, .. } => ticket,
+        Verdict::Claimed { ticket, .. } => ticket,
         other => panic!("expected a claim, got {other:?}"),
     }
 }
 
 fn replay_body(t: &Table<MemoryKv>, k: u64, now: u64) -> Option<Vec<u8>> {
     match t.begin(&key(k), &fp(1), now, LEASE).unwrap() {
-        Begin::Replay(r) => Some(r.body().to_vec()),
+        Verdict::Replay(r) => Some(r.body().to_vec()),
         _ => None,
     }
 }
@@ -72,7 +72,7 @@ fn replay_body(t: &Table<MemoryKv>, k: u64, now: u64) -> Option<Vec<u8>> {
 fn first_claims_duplicate_conflicts_completion_replays() {
     let t = table(1024);
     let ticket = claim(&t, 1, 0);
-    assert_eq!(t.begin(&key(1), &fp(1), 5, LEASE).unwrap(), Begin::InProgress);
+    assert_eq!(t.begin(&key(1), &fp(1), 5, LEASE).unwrap(), Verdict::InProgress);
     let change = done(complete(&t, &ticket, "one", 10, RETENTION));
     assert_eq!((change.in_progress, change.completed), (-1, 1));
     assert_eq!(change.bytes, response("one").stored_len() as i64);
@@ -85,9 +85,9 @@ fn first_claims_duplicate_conflicts_completion_replays() {
 fn different_fingerprint_is_a_mismatch_in_progress_and_completed() {
     let t = table(1024);
     let ticket = claim(&t, 1, 0);
-    assert_eq!(t.begin(&key(1), &fp(2), 1, LEASE).unwrap(), Begin::Mismatch);
+    assert_eq!(t.begin(&key(1), &fp(2), 1, LEASE).unwrap(), Verdict::Mismatch);
     complete(&t, &ticket, "x", 2, RETENTION);
-    assert_eq!(t.begin(&key(1), &fp(2), 3, LEASE).unwrap(), Begin::Mismatch);
+    assert_eq!(t.begin(&key(1), &fp(2), 3, LEASE).unwrap(), Verdict::Mismatch);
 }
 
 #[test]
@@ -99,8 +99,8 @@ fn release_lets_a_retry_claim_at_once() {
     assert!(again.gen > ticket.gen);
     // The old ticket can no longer act.
     assert_eq!(t.release(&ticket).unwrap(), Finish::Lost);
-    assert_eq!(complete(&t, &ticket, "late", 2, RETENTION), Completed::Lost);
-    assert_eq!(t.begin(&key(1), &fp(1), 3, LEASE).unwrap(), Begin::InProgress);
+    assert_eq!(complete(&t, &ticket, "late", 2, RETENTION), Completion::Lost);
+    assert_eq!(t.begin(&key(1), &fp(1), 3, LEASE).unwrap(), Verdict::InProgress);
 }
 
 #[test]
@@ -115,13 +115,13 @@ fn later_claims_of_a_key_carry_larger_tokens_whatever_way_they_take() {
     assert!(second.gen > first.gen && second.gen > others[7].gen);
     // A takeover after expiry is larger still, and so is a claim after a restart (empty store).
     let third = match t.begin(&key(1), &fp(1), LEASE, LEASE).unwrap() {
-        Begin::Claimed { ticket, takeover: true, .. } => ticket,
+        Verdict::Claimed { ticket, takeover: true, .. } => ticket,
         other => panic!("{other:?}"),
     };
     assert!(third.gen > second.gen);
     let restarted = table(ENTRIES);
     let after_restart = match restarted.begin(&key(1), &fp(1), LEASE + 1, LEASE).unwrap() {
-        Begin::Claimed { ticket, .. } => ticket,
+        Verdict::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
     assert!(after_restart.gen > third.gen);
@@ -131,18 +131,18 @@ fn later_claims_of_a_key_carry_larger_tokens_whatever_way_they_take() {
 fn too_large_response_completes_without_body() {
     let t = table(1024);
     let ticket = claim(&t, 1, 0);
-    assert!(matches!(t.complete(&ticket, None, 1, RETENTION).unwrap(), Completed::WithoutBody(_)));
-    assert_eq!(t.begin(&key(1), &fp(1), 2, LEASE).unwrap(), Begin::CompletedWithoutBody);
+    assert!(matches!(t.complete(&ticket, None, 1, RETENTION).unwrap(), Completion::WithoutBody(_)));
+    assert_eq!(t.begin(&key(1), &fp(1), 2, LEASE).unwrap(), Verdict::CompletedWithoutBody);
 }
 
 #[test]
 fn expired_mark_is_taken_over_whatever_the_fingerprint_and_the_late_owner_cannot_overwrite() {
     let t = table(1024);
     let old = claim(&t, 1, 0);
-    assert_eq!(t.begin(&key(1), &fp(1), LEASE - 1, LEASE).unwrap(), Begin::InProgress);
+    assert_eq!(t.begin(&key(1), &fp(1), LEASE - 1, LEASE).unwrap(), Verdict::InProgress);
     // Past the deadline: a request with another body takes over and becomes the first.
     let new = match t.begin(&key(1), &fp(9), LEASE, LEASE).unwrap() {
-        Begin::Claimed { ticket, takeover: true, change } => {
+        Verdict::Claimed { ticket, takeover: true, change } => {
             assert_eq!(change, Change::default(), "one mark replaced another");
             ticket
         }
@@ -151,7 +151,7 @@ fn expired_mark_is_taken_over_whatever_the_fingerprint_and_the_late_owner_cannot
     assert_eq!(new.slot, old.slot);
     complete(&t, &new, "new", LEASE + 1, RETENTION);
     // The late owner finishes: nothing changes.
-    assert_eq!(complete(&t, &old, "old", LEASE + 2, RETENTION), Completed::Lost);
+    assert_eq!(complete(&t, &old, "old", LEASE + 2, RETENTION), Completion::Lost);
     assert_eq!(t.renew(&old, LEASE + 2, LEASE).unwrap(), Finish::Lost);
     assert_eq!(t.begin(&key(1), &fp(9), LEASE + 3, LEASE).unwrap(), replay(response("new")));
 }
@@ -163,7 +163,7 @@ fn late_owner_racing_the_new_owner_never_clobbers_its_response() {
     let t = table(64);
     let old = claim(&t, 1, 0);
     let new = match t.begin(&key(1), &fp(1), LEASE + 1, LEASE).unwrap() {
-        Begin::Claimed { ticket, .. } => ticket,
+        Verdict::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
     complete(&t, &new, "new", LEASE + 2, RETENTION);
@@ -179,7 +179,7 @@ fn renewal_keeps_a_slow_owner() {
     let ticket = claim(&t, 1, 0);
     for now in (LEASE / 2..4 * LEASE).step_by((LEASE / 2) as usize) {
         assert_eq!(t.renew(&ticket, now, LEASE).unwrap(), Finish::Done);
-        assert_eq!(t.begin(&key(1), &fp(1), now + LEASE / 2, LEASE).unwrap(), Begin::InProgress);
+        assert_eq!(t.begin(&key(1), &fp(1), now + LEASE / 2, LEASE).unwrap(), Verdict::InProgress);
     }
 }
 
@@ -188,8 +188,8 @@ fn retention_ends_replay() {
     let t = table(1024);
     let ticket = claim(&t, 1, 0);
     complete(&t, &ticket, "r", 0, RETENTION);
-    assert!(matches!(t.begin(&key(1), &fp(1), RETENTION - 1, LEASE).unwrap(), Begin::Replay(_)));
-    assert!(matches!(t.begin(&key(1), &fp(7), RETENTION, LEASE).unwrap(), Begin::Claimed { takeover: false, .. }));
+    assert!(matches!(t.begin(&key(1), &fp(1), RETENTION - 1, LEASE).unwrap(), Verdict::Replay(_)));
+    assert!(matches!(t.begin(&key(1), &fp(7), RETENTION, LEASE).unwrap(), Verdict::Claimed { takeover: false, .. }));
 }
 
 #[test]
@@ -200,7 +200,7 @@ fn a_full_bucket_evicts_its_oldest_completed_entry_for_a_new_key() {
         complete(&t, &ticket, &format!("r{k}"), 100 + k, RETENTION);
     }
     let change = match t.begin(&key(1000), &fp(1), 500, LEASE).unwrap() {
-        Begin::Claimed { change, .. } => change,
+        Verdict::Claimed { change, .. } => change,
         other => panic!("{other:?}"),
     };
     assert_eq!(change.evicted, 1);
@@ -208,7 +208,7 @@ fn a_full_bucket_evicts_its_oldest_completed_entry_for_a_new_key() {
     assert_eq!((change.in_progress, change.completed), (1, -1));
     assert_eq!(change.bytes, -(response("r0").stored_len() as i64));
     // The oldest is gone (a retry of it runs again); the others still replay.
-    assert!(matches!(t.begin(&key(0), &fp(1), 501, LEASE).unwrap(), Begin::Claimed { .. }));
+    assert!(matches!(t.begin(&key(0), &fp(1), 501, LEASE).unwrap(), Verdict::Claimed { .. }));
     for k in 2..ENTRIES as u64 {
         assert_eq!(replay_body(&t, k, 502), Some(format!("r{k}").into_bytes()), "key {k}");
     }
@@ -221,15 +221,15 @@ fn in_progress_marks_are_never_evicted() {
     let last = claim(&t, 500, 0);
     complete(&t, &last, "done", 1, RETENTION);
     // The one completed entry makes room; after that only live marks are left.
-    assert!(matches!(t.begin(&key(1000), &fp(1), 2, LEASE).unwrap(), Begin::Claimed { .. }));
-    assert!(matches!(t.begin(&key(1001), &fp(1), 3, LEASE).unwrap(), Begin::Full { .. }));
+    assert!(matches!(t.begin(&key(1000), &fp(1), 2, LEASE).unwrap(), Verdict::Claimed { .. }));
+    assert!(matches!(t.begin(&key(1001), &fp(1), 3, LEASE).unwrap(), Verdict::Full { .. }));
     // Known keys still get their answer, and every mark's owner still owns it.
-    assert_eq!(t.begin(&key(3), &fp(1), 4, LEASE).unwrap(), Begin::InProgress);
+    assert_eq!(t.begin(&key(3), &fp(1), 4, LEASE).unwrap(), Verdict::InProgress);
     for m in &marks {
         assert_eq!(t.renew(m, 5, LEASE).unwrap(), Finish::Done);
     }
     // Past the leases, expired marks make room again.
-    assert!(matches!(t.begin(&key(1001), &fp(1), 5 + LEASE, LEASE).unwrap(), Begin::Claimed { .. }));
+    assert!(matches!(t.begin(&key(1001), &fp(1), 5 + LEASE, LEASE).unwrap(), Verdict::Claimed { .. }));
 }
 
 #[test]
@@ -263,8 +263,8 @@ fn a_response_larger_than_a_bucket_share_completes_without_body() {
     let t = table_with_budget(ENTRIES, 500);
     let ticket = claim(&t, 1, 0);
     let c = complete(&t, &ticket, &"x".repeat(600), 1, RETENTION);
-    assert!(matches!(c, Completed::WithoutBody(Change { bytes: 0, .. })), "{c:?}");
-    assert_eq!(t.begin(&key(1), &fp(1), 2, LEASE).unwrap(), Begin::CompletedWithoutBody);
+    assert!(matches!(c, Completion::WithoutBody(Change { bytes: 0, .. })), "{c:?}");
+    assert_eq!(t.begin(&key(1), &fp(1), 2, LEASE).unwrap(), Verdict::CompletedWithoutBody);
 }
 
 #[test]
@@ -276,7 +276,7 @@ fn memory_is_bounded_however_many_keys_pass() {
     for k in 0..20_000u64 {
         now += 1;
         let ticket = match t.begin(&key(k), &fp(1), now, LEASE).unwrap() {
-            Begin::Claimed { ticket, .. } => ticket,
+            Verdict::Claimed { ticket, .. } => ticket,
             other => panic!("key {k}: {other:?}"),
         };
         complete(&t, &ticket, &"x".repeat(100), now, 1_000_000);
@@ -367,14 +367,14 @@ fn concurrent_callers_claim_each_key_once() {
                     // Threads walk the keys in different orders to vary the interleavings.
                     let k = (k * 7 + i as u64 * 13) % KEYS;
                     match t.begin(&key(k), &fp(1), 0, LEASE).unwrap() {
-                        Begin::Claimed { ticket, .. } => {
+                        Verdict::Claimed { ticket, .. } => {
                             claims.fetch_add(1, Ordering::SeqCst);
                             if k.is_multiple_of(2) {
                                 complete(&t, &ticket, &k.to_string(), 0, RETENTION);
                             }
                         }
-                        Begin::InProgress => {}
-                        Begin::Replay(r) => assert_eq!(r.body(), k.to_string().as_bytes()),
+                        Verdict::InProgress => {}
+                        Verdict::Replay(r) => assert_eq!(r.body(), k.to_string().as_bytes()),
                         other => panic!("{other:?}"),
                     }
                 }
@@ -408,7 +408,7 @@ fn concurrent_owners_never_overwrite_each_other() {
                 let mut replays = Vec::new();
                 let mut late: VecDeque<(u64, Ticket, String)> = VecDeque::new();
                 let finish = |ticket: &Ticket, body: String, now: u64| {
-                    if let Completed::Stored(_) = complete(&t, ticket, &body, now, 2_000) {
+                    if let Completion::Stored(_) = complete(&t, ticket, &body, now, 2_000) {
                         stored.lock().unwrap().insert(body);
                     }
                 };
@@ -420,7 +420,7 @@ fn concurrent_owners_never_overwrite_each_other() {
                         let (_, ticket, body) = late.pop_front().unwrap();
                         finish(&ticket, body, now);
                     }
-                    if let Begin::Claimed { ticket, .. } = t.begin(&key(k), &fp(1), now, 1_500).unwrap() {
+                    if let Verdict::Claimed { ticket, .. } = t.begin(&key(k), &fp(1), now, 1_500).unwrap() {
                         let body = format!("key{k}-thread{i}-round{round}");
                         match (round + i as u64) % 4 {
                             0 => finish(&ticket, body, now),
@@ -479,12 +479,12 @@ fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
     // One bucket of 64 completed keys; key 0 is the oldest.
     for k in 0..64 {
         let ticket = match t.begin(&key(k), &fp(1), k, LEASE).unwrap() {
-            Begin::Claimed { ticket, .. } => ticket,
+            Verdict::Claimed { ticket, .. } => ticket,
             other => panic!("{other:?}"),
         };
         assert!(matches!(
             t.complete(&ticket, Some(&mut response(&k.to_string())), k, RETENTION).unwrap(),
-            Completed::Stored(_)
+            Completion::Stored(_)
         ));
     }
     assert_eq!(begin(&t, 0, 100, &mut cache), (replay(response("0")), 2), "bucket and data key");
@@ -493,36 +493,36 @@ fn a_kept_replay_reads_the_bucket_only_and_never_outlives_its_claim() {
     let now = 100 + TRUST_MS;
     // Another request with the key: the bucket decides.
     let mismatch = t.begin_with(&key(0), &fp(2), Caller::ANONYMOUS, now + 1, LEASE, &mut cache).unwrap();
-    assert_eq!(mismatch, Begin::Mismatch);
+    assert_eq!(mismatch, Verdict::Mismatch);
     // Key 64 evicts key 0's entry here and stores its own answer in the same slot.
     let ticket = match begin(&t, 64, now + 2, &mut cache).0 {
-        Begin::Claimed { ticket, .. } => ticket,
+        Verdict::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
     assert!(matches!(
         t.complete(&ticket, Some(&mut response("64")), now + 3, RETENTION).unwrap(),
-        Completed::Stored(_)
+        Completion::Stored(_)
     ));
     assert_eq!(begin(&t, 64, now + 4, &mut cache), (replay(response("64")), 2), "not key 0's kept answer");
-    assert!(matches!(begin(&t, 0, now + 5, &mut cache).0, Begin::Claimed { .. }), "key 0 was forgotten");
+    assert!(matches!(begin(&t, 0, now + 5, &mut cache).0, Verdict::Claimed { .. }), "key 0 was forgotten");
     // Key 2 (now the oldest) kept here, evicted by another VM's claim: replayed here for at
     // most TRUST_MS more, then the bucket decides.
     assert_eq!(begin(&t, 2, now + 6, &mut cache).0, replay(response("2")));
-    assert!(matches!(begin(&t, 65, now + 7, &mut other_vm).0, Begin::Claimed { .. }));
+    assert!(matches!(begin(&t, 65, now + 7, &mut other_vm).0, Verdict::Claimed { .. }));
     assert_eq!(begin(&t, 2, now + 6 + TRUST_MS - 1, &mut cache), (replay(response("2")), 0));
-    assert!(matches!(begin(&t, 2, now + 6 + TRUST_MS, &mut cache).0, Begin::Claimed { .. }), "key 2 was evicted");
+    assert!(matches!(begin(&t, 2, now + 6 + TRUST_MS, &mut cache).0, Verdict::Claimed { .. }), "key 2 was evicted");
     // Past its retention a kept answer is not replayed either: the bucket decides.
     let later = now + 3 + RETENTION;
     assert_eq!(begin(&t, 64, later - 2, &mut cache).1, 1);
     assert_eq!(begin(&t, 64, later - 1, &mut cache).1, 0, "trusted until its retention ends");
     let ticket = match begin(&t, 64, later, &mut cache).0 {
-        Begin::Claimed { ticket, .. } => ticket,
+        Verdict::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
     // The same key claimed again in its own slot: its new answer, not the kept one.
     assert!(matches!(
         t.complete(&ticket, Some(&mut response("64 again")), later, RETENTION).unwrap(),
-        Completed::Stored(_)
+        Completion::Stored(_)
     ));
     assert_eq!(begin(&t, 64, later + 1, &mut cache), (replay(response("64 again")), 2));
 }
@@ -546,29 +546,29 @@ fn a_kept_replay_is_dropped_by_this_vms_own_evictions_and_claims() {
     assert_eq!(begin(0, 1, 10, &mut cache), replay(response("0")));
     // Key 3's completion here evicts key 0 (the oldest) to make room.
     let ticket = match begin(3, 1, 11, &mut cache) {
-        Begin::Claimed { ticket, .. } => ticket,
+        Verdict::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
     let change = done(t.complete_with(&ticket, Some(&mut response("3")), 12, RETENTION, &mut cache).unwrap());
     assert_eq!(change.evicted, 1);
-    assert!(matches!(begin(0, 1, 13, &mut cache), Begin::Claimed { .. }), "key 0's kept answer replayed");
+    assert!(matches!(begin(0, 1, 13, &mut cache), Verdict::Claimed { .. }), "key 0's kept answer replayed");
 
     // Key 1 kept here; another VM's completion evicts it; then this VM claims key 1 for a
     // different request: a retry of the first request meets that claim, not the kept answer.
     assert_eq!(begin(1, 1, 20, &mut cache), replay(response("1")));
     let mut other_vm = ReplayCache::new(1 << 16);
     let ticket = match t.begin_with(&key(4), &fp(1), Caller::ANONYMOUS, 21, LEASE, &mut other_vm).unwrap() {
-        Begin::Claimed { ticket, .. } => ticket,
+        Verdict::Claimed { ticket, .. } => ticket,
         other => panic!("{other:?}"),
     };
     t.complete_with(&ticket, Some(&mut response("4")), 22, RETENTION, &mut other_vm).unwrap();
     // The other VM's next claim takes key 1's old slot: this VM's claim of key 1 lands elsewhere.
     assert!(matches!(
         t.begin_with(&key(5), &fp(1), Caller::ANONYMOUS, 22, LEASE, &mut other_vm).unwrap(),
-        Begin::Claimed { .. }
+        Verdict::Claimed { .. }
     ));
-    assert!(matches!(begin(1, 2, 23, &mut cache), Begin::Claimed { .. }), "key 1 was evicted");
-    assert_eq!(begin(1, 1, 24, &mut cache), Begin::Mismatch);
+    assert!(matches!(begin(1, 2, 23, &mut cache), Verdict::Claimed { .. }), "key 1 was evicted");
+    assert_eq!(begin(1, 1, 24, &mut cache), Verdict::Mismatch);
 }
 
 /// `decide` as it was before the scan read only states, deadlines and ages: every entry
@@ -713,17 +713,17 @@ impl SharedKv for RefusesBlanks {
 fn a_claim_stands_when_freeing_the_old_response_fails() {
     let t = Table::new(RefusesBlanks::default(), Layout::new("t", 64, PLENTY));
     assert!(t.create().unwrap());
-    let Begin::Claimed { ticket, .. } = t.begin(&key(1), &fp(1), 0, LEASE).unwrap() else { panic!() };
+    let Verdict::Claimed { ticket, .. } = t.begin(&key(1), &fp(1), 0, LEASE).unwrap() else { panic!() };
     let completed = t.complete(&ticket, Some(&mut response("made")), 10, 1_000).unwrap();
-    assert!(matches!(completed, Completed::Stored(_)), "{completed:?}");
+    assert!(matches!(completed, Completion::Stored(_)), "{completed:?}");
     t.store.refuse.set(true);
     // Past its retention the key is claimed again: its old response must be freed.
     let again = t.begin(&key(1), &fp(2), 5_000, LEASE).unwrap();
-    let Begin::Claimed { ticket, .. } = again else { panic!("expected a claim, got {again:?}") };
+    let Verdict::Claimed { ticket, .. } = again else { panic!("expected a claim, got {again:?}") };
     // The new owner completes and replays; the old response is never served for it.
     let completed = t.complete(&ticket, Some(&mut response("again")), 5_010, RETENTION).unwrap();
-    assert!(matches!(completed, Completed::Stored(_)), "{completed:?}");
-    assert!(matches!(t.begin(&key(1), &fp(2), 5_020, LEASE).unwrap(), Begin::Replay(r) if r.body() == b"again"));
+    assert!(matches!(completed, Completion::Stored(_)), "{completed:?}");
+    assert!(matches!(t.begin(&key(1), &fp(2), 5_020, LEASE).unwrap(), Verdict::Replay(r) if r.body() == b"again"));
 }
 
 /// A caller's key: the store key and the caller tag, as a request of `scope` gets them.
@@ -740,7 +740,7 @@ fn store_scoped(t: &Table<MemoryKv>, scope: &str, n: u64, body: &str, now: u64) 
     let (k, caller) = scoped(scope, n);
     let mut cache = ReplayCache::new(0);
     let (ticket, claimed) = match t.begin_with(&k, &fp(1), caller, now, LEASE, &mut cache).unwrap() {
-        Begin::Claimed { ticket, change, .. } => (ticket, change),
+        Verdict::Claimed { ticket, change, .. } => (ticket, change),
         other => panic!("expected a claim of {scope}'s key {n}, got {other:?}"),
     };
     let completed = done(t.complete(&ticket, Some(&mut response(body)), now, RETENTION).unwrap());
@@ -753,7 +753,7 @@ fn store_scoped(t: &Table<MemoryKv>, scope: &str, n: u64, body: &str, now: u64) 
 
 /// Whether `scope`'s key `n` replays (a read only: a claim would make room itself).
 fn replays_scoped(t: &Table<MemoryKv>, scope: &str, n: u64, now: u64) -> bool {
-    matches!(t.lookup(&scoped(scope, n).0, &fp(1), now).unwrap(), Some(Begin::Replay(_)))
+    matches!(t.lookup(&scoped(scope, n).0, &fp(1), now).unwrap(), Some(Verdict::Replay(_)))
 }
 
 #[test]
@@ -820,13 +820,13 @@ fn when_the_heavier_caller_holds_only_marks_the_eviction_is_counted_below_share(
     for n in 0..56 {
         let (k, caller) = scoped("Bearer slow", n);
         let began = t.begin_with(&k, &fp(1), caller, 2_000, LEASE, &mut ReplayCache::new(0)).unwrap();
-        assert!(matches!(began, Begin::Claimed { .. }));
+        assert!(matches!(began, Verdict::Claimed { .. }));
     }
     // A third caller's new key: the slow caller holds 56 marks (never evicted), so the quiet
     // caller's oldest answer goes, and the figure says it was under its share.
     let (k, caller) = scoped("Bearer third", 0);
     match t.begin_with(&k, &fp(1), caller, 2_001, LEASE, &mut ReplayCache::new(0)).unwrap() {
-        Begin::Claimed { change, .. } => assert_eq!((change.evicted, change.evicted_below_share), (1, 1)),
+        Verdict::Claimed { change, .. } => assert_eq!((change.evicted, change.evicted_below_share), (1, 1)),
         other => panic!("{other:?}"),
     }
 }
@@ -862,18 +862,21 @@ fn answers_inside_the_replay_window_are_never_evicted_a_new_key_waits_for_room()
     }
     // Every answer is inside its window: a new key waits until the oldest (completed at 5)
     // leaves it.
-    assert_eq!(t.begin(&key(1000), &fp(1), 1_000, LEASE).unwrap(), Begin::Full { retry_after_ms: WINDOW + 5 - 1_000 });
+    assert_eq!(
+        t.begin(&key(1000), &fp(1), 1_000, LEASE).unwrap(),
+        Verdict::Full { retry_after_ms: WINDOW + 5 - 1_000 }
+    );
     for k in 0..ENTRIES as u64 {
         assert_eq!(replay_body(&t, k, 1_001), Some(format!("r{k}").into_bytes()), "key {k}");
     }
     // At the window's end the oldest makes room, and only it.
     let change = match t.begin(&key(1000), &fp(1), WINDOW + 5, LEASE).unwrap() {
-        Begin::Claimed { change, .. } => change,
+        Verdict::Claimed { change, .. } => change,
         other => panic!("{other:?}"),
     };
     assert_eq!(change.evicted, 1);
     assert_eq!(replay_body(&t, 0, WINDOW + 6), None);
-    assert!(matches!(t.begin(&key(1001), &fp(1), WINDOW + 6, LEASE).unwrap(), Begin::Full { retry_after_ms: 9 }));
+    assert!(matches!(t.begin(&key(1001), &fp(1), WINDOW + 6, LEASE).unwrap(), Verdict::Full { retry_after_ms: 9 }));
 }
 
 /// By bytes, an answer arrives after its work ran: it cannot be refused. When its bucket's
@@ -889,8 +892,8 @@ fn an_answer_meeting_only_young_answers_completes_unstored() {
     }
     let ticket = claim(&t, 3, 10);
     let c = complete(&t, &ticket, &"b".repeat(1000), 11, RETENTION);
-    assert!(matches!(c, Completed::WithoutBody(Change { bytes: 0, evicted: 0, .. })), "{c:?}");
-    assert_eq!(t.begin(&key(3), &fp(1), 12, LEASE).unwrap(), Begin::CompletedWithoutBody);
+    assert!(matches!(c, Completion::WithoutBody(Change { bytes: 0, evicted: 0, .. })), "{c:?}");
+    assert_eq!(t.begin(&key(3), &fp(1), 12, LEASE).unwrap(), Verdict::CompletedWithoutBody);
     for k in 0..3 {
         assert_eq!(replay_body(&t, k, 13), Some(b"b".repeat(1000)), "key {k} kept");
     }
@@ -898,6 +901,6 @@ fn an_answer_meeting_only_young_answers_completes_unstored() {
     assert!(t.store.value_bytes() < 3 * size as usize + 2 * crate::encoding::BUCKET_BYTES);
     // Past the window, the oldest answer makes room again.
     let ticket = claim(&t, 4, 60_002);
-    assert!(matches!(complete(&t, &ticket, &"b".repeat(1000), 60_003, RETENTION), Completed::Stored(_)));
+    assert!(matches!(complete(&t, &ticket, &"b".repeat(1000), 60_003, RETENTION), Completion::Stored(_)));
     assert_eq!(replay_body(&t, 0, 60_004), None);
 }
