@@ -6,7 +6,8 @@ use std::rc::Rc;
 use super::budget::Group;
 use super::problem::Problem;
 use super::request::{self, Outbound, Pending};
-use super::{Held, Holding, Lifecycle, Outgoing, Phase, Reply};
+use super::work::{DetachedCall, Work, WorkId};
+use super::{Held, Lifecycle, Phase, Reply};
 use crate::config::{OnConflict, OnUnavailable, StoreConfig};
 use crate::defects::{planted, Defect};
 use crate::encoding::StoredResponse;
@@ -218,9 +219,7 @@ impl<S: Store> Lifecycle<S> {
         outbound: Option<Outbound>,
         leased_ms: u64,
     ) -> Next {
-        if let Some(owner) = owner {
-            self.holdings.insert(owner.id, Holding { owner, policy, renewed_ms: leased_ms });
-        }
+        let renewed_ms = owner.map(|_| leased_ms);
         let skew = u64::from(planted(Defect::FenceNotTheClaims));
         let fence = self.config.fencing_header.clone().map(|name| (name, owner.map(|o| (o.fence + skew).to_string())));
         match outbound {
@@ -237,11 +236,20 @@ impl<S: Store> Lifecycle<S> {
                     request.headers = request.headers.replaced("grpc-timeout", None);
                 }
                 let caller = self.streams.get(&id).map_or(crate::caller::Caller::ANONYMOUS, |s| s.caller);
-                self.outbox.push_back(Outgoing { stream: id, policy, grpc, owner, caller, leased_ms, request });
+                let call = Some(DetachedCall { grpc, caller, outgoing: Some(request) });
+                let work_id = owner.map_or_else(|| WorkId::Pass(self.new_call_id()), |o| WorkId::Owner(o.id));
+                self.work.insert(work_id, Work { stream: id, policy, owner, renewed_ms, call, end: None });
+                self.outbox.push_back(work_id);
                 self.set_phase(id, Phase::Detached);
                 Next::Hold
             }
             None => {
+                if let Some(o) = owner {
+                    self.work.insert(
+                        WorkId::Owner(o.id),
+                        Work { stream: id, policy, owner, renewed_ms, call: None, end: None },
+                    );
+                }
                 if let Some((name, Some(token))) = fence {
                     self.effects.push(super::Effect::SetRequestHeader { stream: id, name, value: Some(token) });
                 }
@@ -315,7 +323,7 @@ impl<S: Store> Lifecycle<S> {
         match answer {
             Answer::Renewed(true) => None,
             Answer::Renewed(false) => {
-                self.holdings.remove(&owner.id);
+                self.stop_renewing(owner);
                 None
             }
             Answer::Released { done, change } => {

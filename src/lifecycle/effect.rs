@@ -12,7 +12,7 @@ use crate::store::CallRequest;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CallId {
     /// A covered request the root sends upstream itself (detached forwarding).
-    Upstream(u64),
+    Upstream(super::WorkId),
     /// A request of the store's (etcd).
     Store(u64),
 }

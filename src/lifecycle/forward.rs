@@ -6,7 +6,8 @@ use std::rc::Rc;
 use super::budget::Reservation;
 use super::grpc_reply;
 use super::problem::Problem;
-use super::{CallId, Effect, HeldEnd, Lifecycle, Outgoing, Phase, Reply, Upstream};
+use super::work::{HeldEnd, Work, WorkId};
+use super::{CallId, Effect, Lifecycle, Phase, Reply};
 use crate::defects::{planted, Defect};
 use crate::encoding::{StoredResponse, STORED_OVERHEAD};
 use crate::header_map::is_hop_by_hop;
@@ -79,12 +80,14 @@ impl<S: Store> Lifecycle<S> {
     /// Sends a queued detached call (in the root's event). A job that waited long (a busy
     /// event loop, etcd's round trip) renews its mark first, so that the lease counts from
     /// the moment the call leaves; a fresh one is left to the periodic renewal.
-    pub(super) fn dispatch_upstream(&mut self, out: Outgoing, now: u64) {
-        let Outgoing { stream, policy, grpc, owner, caller, leased_ms, request } = out;
+    pub(super) fn dispatch_upstream(&mut self, id: WorkId, now: u64) {
+        let Some(work) = self.work.get_mut(&id) else { return };
+        let Some(request) = work.call.as_mut().and_then(|c| c.outgoing.take()) else { return };
+        let (stream, owner, leased_ms) = (work.stream, work.owner, work.renewed_ms);
         let p = self.config.clone();
-        let p = p.policy(policy);
+        let p = p.policy(work.policy);
         if let Some(owner) = owner {
-            if now.saturating_sub(leased_ms) >= p.lease_ms / 4 {
+            if now.saturating_sub(leased_ms.unwrap_or(0)) >= p.lease_ms / 4 {
                 let answer = self.store.renew(owner, p.lease_ms, now);
                 let lost = matches!(answer, Some(Answer::Renewed(false)));
                 if let Some(answer) = answer {
@@ -95,36 +98,35 @@ impl<S: Store> Lifecycle<S> {
                     // stalled past the lease): another request may hold the key now, and
                     // sending would run the work twice. Nothing was sent: safe to retry.
                     self.count(Counter::OwnerLost);
+                    self.work.remove(&id);
                     let reason = "The claim expired before the request could be sent";
                     return self.problem(stream, Problem::upstream_failed(503, reason, p.retry_after_s));
                 }
-                if let Some(h) = self.holdings.get_mut(&owner.id) {
-                    h.renewed_ms = now;
+                if let Some(w) = self.work.get_mut(&id).filter(|w| w.renewed_ms.is_some()) {
+                    w.renewed_ms = Some(now);
                 }
             }
         }
-        let n = self.new_call_id();
-        self.calls.insert(n, Upstream { stream, policy, grpc, owner, caller });
         let request = CallRequest {
             cluster: request.cluster,
             kind: CallKind::Http { headers: request.headers },
             body: request.body,
             timeout_ms: p.upstream_timeout_ms,
         };
-        self.effects.push(Effect::Dispatch { call: CallId::Upstream(n), request });
+        self.effects.push(Effect::Dispatch { call: CallId::Upstream(id), request });
     }
 
     /// A detached call's answer too large for its caller's share of the worker's buffer
     /// (`max_buffered_bytes`, at most half per caller): the VM does not copy it. Its status
     /// decides as for any answer (the work ran, or the key is released); the client learns
     /// that the answer could not be relayed (docs/limits.md).
-    pub(super) fn upstream_too_large(&mut self, n: u64, status: u16, now: u64) {
-        let Some(call) = self.calls.remove(&n) else { return };
+    pub(super) fn upstream_too_large(&mut self, id: WorkId, status: u16, now: u64) {
+        let Some(call) = self.take_answered(id) else { return };
         let p = self.config.clone();
         let p = p.policy(call.policy);
         log::warn!("a detached call's answer is larger than its caller's share of max_buffered_bytes: not relayed");
         self.count(Counter::UpstreamFailed);
-        let released = p.release_statuses.contains(status) || call.grpc;
+        let released = p.release_statuses.contains(status) || call.call.as_ref().is_some_and(|c| c.grpc);
         match call.owner {
             Some(owner) if released => self.release(owner, now),
             Some(owner) => {
@@ -137,13 +139,13 @@ impl<S: Store> Lifecycle<S> {
     }
 
     /// No healthy host, unknown cluster: the call was not sent.
-    pub(super) fn upstream_not_sent(&mut self, n: u64, now: u64) {
-        let Some(call) = self.calls.remove(&n) else { return };
+    pub(super) fn upstream_not_sent(&mut self, id: WorkId, now: u64) {
+        let Some(call) = self.take_answered(id) else { return };
         log::warn!("a detached call could not be sent");
         self.no_answer(call, 503, "No upstream host could take the request", now);
     }
 
-    fn no_answer(&mut self, call: Upstream, status: u16, reason: &str, now: u64) {
+    fn no_answer(&mut self, call: Work, status: u16, reason: &str, now: u64) {
         if let Some(owner) = call.owner {
             self.release(owner, now);
         }
@@ -154,8 +156,8 @@ impl<S: Store> Lifecycle<S> {
 
     /// A detached call's answer (in the root's event): store it, then answer the client if it
     /// is still there.
-    pub(super) fn on_upstream_answer(&mut self, n: u64, answer: CallAnswer, held: Option<Reservation>, now: u64) {
-        let Some(call) = self.calls.remove(&n) else { return };
+    pub(super) fn on_upstream_answer(&mut self, id: WorkId, answer: CallAnswer, held: Option<Reservation>, now: u64) {
+        let Some(call) = self.take_answered(id) else { return };
         let response = match classify(answer) {
             Outcome::NoAnswer { status, reason } => {
                 log::debug!("detached call got no answer ({status}): released");
@@ -168,7 +170,7 @@ impl<S: Store> Lifecycle<S> {
         let response = Rc::new(response);
         // A gRPC call's status is in its trailers (or headers, trailers-only); none at all
         // is a broken answer.
-        let grpc_failed = call.grpc
+        let grpc_failed = call.call.as_ref().is_some_and(|c| c.grpc)
             && grpc_reply::status_of(grpc_reply::trailers_and_headers(&response))
                 .is_none_or(|code| p.releases_grpc(code));
         let looped = in_progress_of_an_idempotency_filter(&response);
@@ -186,7 +188,7 @@ impl<S: Store> Lifecycle<S> {
                 Some(response)
             }
             Some(owner) if response.stored_len() <= p.max_response_bytes => {
-                self.complete_then_answer(owner, call.stream, response, p.retention_s * 1000, held, now);
+                self.complete_then_answer(owner, &call, response, p.retention_s * 1000, held, now);
                 None
             }
             Some(owner) => {
@@ -209,41 +211,63 @@ impl<S: Store> Lifecycle<S> {
     fn complete_then_answer(
         &mut self,
         owner: Owner,
-        stream: u32,
+        call: &Work,
         response: Rc<StoredResponse>,
         retention_ms: u64,
         held: Option<Reservation>,
         now: u64,
     ) {
         if !self.store.answers_at_once() {
-            let end = HeldEnd { stream, since_ms: now, reply: Some(response.clone()), paused: false, _buffered: held };
-            self.ends.insert(owner.id, end);
+            let end = HeldEnd { since_ms: now, reply: Some(response.clone()), paused: false, _buffered: held };
+            self.hold_end(owner, call.stream, call.policy, end);
             self.complete(owner, Some(response), retention_ms, now);
             return;
         }
         if let Some(response) = self.complete(owner, Some(response), retention_ms, now) {
-            self.reply(stream, Reply::Stored { response, replayed: false });
+            self.reply(call.stream, Reply::Stored { response, replayed: false });
         }
     }
 
     /// The store acknowledged an owner's completion, or could not for now: the answer's end
     /// goes on.
     pub(super) fn release_end(&mut self, owner: Owner, acknowledged: bool) {
-        if let Some(end) = self.ends.remove(&owner.id) {
+        let id = WorkId::Owner(owner.id);
+        let Some(work) = self.work.get_mut(&id) else { return };
+        let (stream, end) = (work.stream, work.end.take());
+        self.settle(id);
+        if let Some(end) = end {
             if !acknowledged {
                 self.count(Counter::CompletionUnacknowledged);
             }
-            self.send_end(end);
+            self.send_end(stream, end);
         }
     }
 
-    fn send_end(&mut self, end: HeldEnd) {
+    /// An answer's end waits for the owner's completion to be acknowledged.
+    fn hold_end(&mut self, owner: Owner, stream: u32, policy: usize, end: HeldEnd) {
+        let work = self.work.entry(WorkId::Owner(owner.id)).or_insert(Work {
+            stream,
+            policy,
+            owner: Some(owner),
+            renewed_ms: None,
+            call: None,
+            end: None,
+        });
+        work.end = Some(end);
+    }
+
+    /// A detached call's record, answered (or never sent): out of the map, with its call.
+    fn take_answered(&mut self, id: WorkId) -> Option<Work> {
+        self.work.remove(&id).filter(|w| w.call.is_some())
+    }
+
+    fn send_end(&mut self, stream: u32, end: HeldEnd) {
         match end.reply {
-            Some(response) => self.reply(end.stream, Reply::Stored { response, replayed: false }),
+            Some(response) => self.reply(stream, Reply::Stored { response, replayed: false }),
             // A stream Envoy has ended must not be resumed: its callbacks would reach a
             // context the SDK has dropped (docs/behaviour.md §4).
-            None if end.paused && self.streams.contains_key(&end.stream) => {
-                self.effects.push(Effect::ResumeResponse { stream: end.stream })
+            None if end.paused && self.streams.contains_key(&stream) => {
+                self.effects.push(Effect::ResumeResponse { stream })
             }
             None => {}
         }
@@ -253,17 +277,25 @@ impl<S: Store> Lifecycle<S> {
     /// (the completion is still retried).
     pub(super) fn expire_ends(&mut self, now: u64) {
         let wait = self.store.write_wait_ms();
-        let late: Vec<u64> = self.ends.iter().filter(|(_, e)| now >= e.since_ms + wait).map(|(id, _)| *id).collect();
+        let late: Vec<WorkId> = self
+            .work
+            .iter()
+            .filter(|(_, w)| w.end.as_ref().is_some_and(|e| now >= e.since_ms + wait))
+            .map(|(id, _)| *id)
+            .collect();
         for id in late {
-            if let Some(end) = self.ends.remove(&id) {
+            let Some(work) = self.work.get_mut(&id) else { continue };
+            let (stream, end) = (work.stream, work.end.take());
+            self.settle(id);
+            if let Some(end) = end {
                 self.count(Counter::CompletionUnacknowledged);
-                self.send_end(end);
+                self.send_end(stream, end);
             }
         }
     }
 
     pub(super) fn release(&mut self, owner: Owner, now: u64) {
-        self.holdings.remove(&owner.id);
+        self.stop_renewing(owner);
         if planted(Defect::NoRelease) {
             return self.store.forget(owner);
         }
@@ -280,7 +312,7 @@ impl<S: Store> Lifecycle<S> {
         retention_ms: u64,
         now: u64,
     ) -> Option<Rc<StoredResponse>> {
-        self.holdings.remove(&owner.id);
+        self.stop_renewing(owner);
         if let Some(r) = response.as_ref().filter(|_| planted(Defect::StoredAnswerDiffers)) {
             let altered = StoredResponse::new(r.status() + 1, r.headers(), r.body().to_vec());
             let kept = response.clone();
@@ -499,7 +531,8 @@ impl<S: Store> Lifecycle<S> {
         else {
             return Flow::Continue;
         };
-        let retention_ms = self.config.policy(stream.policy).retention_s * 1000;
+        let policy = stream.policy;
+        let retention_ms = self.config.policy(policy).retention_s * 1000;
         let response = c.kept.map(|(body, _reservation)| {
             Rc::new(StoredResponse::new(c.status, c.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())), body))
         });
@@ -507,9 +540,10 @@ impl<S: Store> Lifecycle<S> {
             self.complete(owner, response, retention_ms, now);
             return Flow::Continue;
         }
-        self.ends.insert(owner.id, HeldEnd { stream: id, since_ms: now, reply: None, paused: false, _buffered: None });
+        let end = HeldEnd { since_ms: now, reply: None, paused: false, _buffered: None };
+        self.hold_end(owner, id, policy, end);
         self.complete(owner, response, retention_ms, now);
-        match self.ends.get_mut(&owner.id) {
+        match self.work.get_mut(&WorkId::Owner(owner.id)).and_then(|w| w.end.as_mut()) {
             Some(end) => {
                 end.paused = true;
                 Flow::Pause

@@ -9,11 +9,9 @@ impl<S: Store> Lifecycle<S> {
     pub fn residue(&self) -> Vec<(&'static str, usize)> {
         let all = [
             ("streams", self.streams.len()),
-            ("calls", self.calls.len()),
+            ("work", self.work.len()),
             ("outbox", self.outbox.len()),
             ("store_calls", self.store_calls.len()),
-            ("holdings", self.holdings.len()),
-            ("ends", self.ends.len()),
             ("waiting", self.waiting),
             ("asking", self.asking.len()),
             ("buffered_bytes", self.buffered.used()),

@@ -14,6 +14,7 @@ mod record;
 mod request;
 mod root_events;
 mod waiting;
+mod work;
 
 #[cfg(test)]
 mod fence_tests;
@@ -28,6 +29,7 @@ mod tests;
 
 pub use effect::{CallId, Effect, Reply};
 pub use request::Outbound;
+pub use work::WorkId;
 
 use crate::caller::{Caller, TagKey};
 use std::collections::VecDeque;
@@ -70,17 +72,12 @@ pub struct Lifecycle<S> {
     store: S,
     /// Covered streams still open, by context id; a stream missing here is gone or not ours.
     streams: IdMap<u32, Stream>,
-    /// Detached calls in flight.
-    calls: IdMap<u64, Upstream>,
-    /// Detached calls waiting for the root to send them.
-    outbox: VecDeque<Outgoing>,
+    /// Work forwarded under a claim (renewed, then ended) or detached without one.
+    work: IdMap<WorkId, work::Work>,
+    /// Detached calls waiting for the root to send them, in order.
+    outbox: VecDeque<WorkId>,
     /// Store calls waiting for the root (taken from the store during a stream's event).
     store_calls: VecDeque<(u64, CallRequest)>,
-    /// Claims whose mark is renewed while their call lives, by owner id.
-    holdings: IdMap<u64, Holding>,
-    /// Answers whose end waits for the store to acknowledge their completion (read your
-    /// writes, docs/behaviour.md §3.4), by owner id.
-    ends: IdMap<u64, HeldEnd>,
     effects: Vec<Effect>,
     /// Bytes buffered for requests in flight: router captures, held bodies.
     buffered: Budget,
@@ -152,49 +149,6 @@ struct Held {
     group: Group,
 }
 
-/// The end of an answer held for its completion.
-struct HeldEnd {
-    stream: u32,
-    since_ms: u64,
-    /// Detached: the answer to send (`None`: router forwarding, the response is paused).
-    reply: Option<Rc<crate::encoding::StoredResponse>>,
-    /// Router forwarding: the response callback has returned `Pause`. Until then, a store
-    /// that answers at once (an owner known lost) lets the callback return `Continue`: a
-    /// resume from inside the stream's own callback would continue it twice (Envoy crashes).
-    paused: bool,
-    /// The buffer budget the answer holds while it waits.
-    _buffered: Option<Reservation>,
-}
-
-struct Holding {
-    owner: Owner,
-    policy: usize,
-    renewed_ms: u64,
-}
-
-/// A detached call in flight.
-struct Upstream {
-    stream: u32,
-    policy: usize,
-    /// A gRPC call: its status is in the answer's trailers.
-    grpc: bool,
-    /// `None`: forwarded without a claim (`on_unavailable: "pass"`).
-    owner: Option<Owner>,
-    /// Whose call it is: its answer is held within that caller's share of the buffer.
-    caller: Caller,
-}
-
-/// A detached call waiting for the root. `leased_ms`: when the owner's lease was last set.
-struct Outgoing {
-    stream: u32,
-    policy: usize,
-    grpc: bool,
-    owner: Option<Owner>,
-    caller: Caller,
-    leased_ms: u64,
-    request: Outbound,
-}
-
 /// Timer periods: renewal and retries want 50 ms; wait mode polls held requests on the same
 /// timer, so it wants 20 ms (docs/behaviour.md §4).
 pub const TICK_MS: u64 = 50;
@@ -208,11 +162,9 @@ impl<S: Store> Lifecycle<S> {
             config: Rc::new(config),
             store,
             streams: IdMap::default(),
-            calls: IdMap::default(),
+            work: IdMap::default(),
             outbox: VecDeque::new(),
             store_calls: VecDeque::new(),
-            holdings: IdMap::default(),
-            ends: IdMap::default(),
             effects: Vec::new(),
             buffered,
             next_call: 1,
@@ -278,11 +230,9 @@ impl<S: Store> Lifecycle<S> {
     /// claim's call sent from this root's timer and queue, which end with it.
     pub fn is_idle(&self) -> bool {
         self.streams.is_empty()
-            && self.holdings.is_empty()
-            && self.calls.is_empty()
+            && self.work.is_empty()
             && self.outbox.is_empty()
             && self.store_calls.is_empty()
-            && self.ends.is_empty()
             && self.asking.is_empty()
             && self.store.is_idle()
     }
@@ -391,7 +341,7 @@ impl<S: Store> Lifecycle<S> {
         let Some(stream) = self.streams.remove(&id) else { return };
         match stream.phase {
             Phase::Owner { owner: Some(owner), .. } => {
-                self.holdings.remove(&owner.id);
+                self.work.remove(&WorkId::Owner(owner.id));
                 self.store.forget(owner);
             }
             Phase::Waiting(held) => self.waiter_gone(held.group), // the client left: nothing to release

@@ -42,8 +42,8 @@ impl<S: Store> Lifecycle<S> {
     /// An HTTP call's answer (in the root's event): headers and body are read from the host.
     pub fn on_call_answer(&mut self, host: &dyn Host, call: CallId, has_headers: bool, body_size: usize, now: u64) {
         let mut headers = if has_headers { host.call_headers() } else { Vec::new() };
-        if let CallId::Upstream(n) = call {
-            if self.calls.get(&n).is_some_and(|c| c.grpc) {
+        if let CallId::Upstream(id) = call {
+            if self.detached_call(id).is_some_and(|c| c.grpc) {
                 let trailers = host.call_trailers().into_iter();
                 headers.extend(trailers.map(|(n, v)| (format!("{}{n}", super::grpc_reply::TRAILER), v)));
             }
@@ -52,19 +52,19 @@ impl<S: Store> Lifecycle<S> {
         // A detached answer is copied into the VM only within its caller's share of the
         // worker's buffer: every byte the VM holds is bounded (docs/behaviour.md §3.8).
         let mut held = None;
-        if let CallId::Upstream(n) = call {
-            let group = self.calls.get(&n).map_or(Group::UNKNOWN, |c| self.known.group(c.caller));
+        if let CallId::Upstream(id) = call {
+            let group = self.detached_call(id).map_or(Group::UNKNOWN, |c| self.known.group(c.caller));
             match self.buffered.reserve(group, body_size) {
                 Some(r) => held = Some(r),
                 None => {
-                    self.upstream_too_large(n, status, now);
+                    self.upstream_too_large(id, status, now);
                     return self.flush(now);
                 }
             }
         }
         let answer = CallAnswer { status, headers, body: host.call_body(body_size) };
         match call {
-            CallId::Upstream(n) => self.on_upstream_answer(n, answer, held, now),
+            CallId::Upstream(id) => self.on_upstream_answer(id, answer, held, now),
             CallId::Store(n) => self.store.on_call_answer(n, &answer, now),
         }
         self.flush(now);
@@ -76,7 +76,7 @@ impl<S: Store> Lifecycle<S> {
         let answer = CallAnswer::grpc(status, &text, host.grpc_message(size));
         match call {
             CallId::Store(n) => self.store.on_call_answer(n, &answer, now),
-            CallId::Upstream(n) => self.on_upstream_answer(n, answer, None, now), // not sent as gRPC
+            CallId::Upstream(id) => self.on_upstream_answer(id, answer, None, now), // not sent as gRPC
         }
         self.flush(now);
     }
@@ -84,7 +84,7 @@ impl<S: Store> Lifecycle<S> {
     /// A call could not be sent at all (`dispatch_http_call` failed).
     pub fn on_call_failed(&mut self, call: CallId, now: u64) {
         match call {
-            CallId::Upstream(n) => self.upstream_not_sent(n, now),
+            CallId::Upstream(id) => self.upstream_not_sent(id, now),
             CallId::Store(n) => self.store.on_call_failed(n, now),
         }
         self.flush(now);
@@ -95,8 +95,8 @@ impl<S: Store> Lifecycle<S> {
     fn flush(&mut self, now: u64) {
         self.wake_sent = false;
         loop {
-            if let Some(out) = self.outbox.pop_front() {
-                self.dispatch_upstream(out, now);
+            if let Some(id) = self.outbox.pop_front() {
+                self.dispatch_upstream(id, now);
             } else if let Some((n, request)) = self.store_calls.pop_front().or_else(|| self.store.poll_call()) {
                 self.effects.push(Effect::Dispatch { call: CallId::Store(n), request });
             } else if let Some((who, answer)) = self.store.poll_answer() {
@@ -123,13 +123,14 @@ impl<S: Store> Lifecycle<S> {
         let min_lease = self.config.policies().map(|p| p.lease_ms).min().unwrap_or(10_000);
         self.next_renewal_ms = now + (min_lease / 16).max(10);
         let config = self.config.clone();
+        let lease_of = |w: &super::work::Work| config.policy(w.policy).lease_ms;
         let due: Vec<_> = self
-            .holdings
+            .work
             .values_mut()
-            .filter(|h| now.saturating_sub(h.renewed_ms) >= config.policy(h.policy).lease_ms / 4)
-            .map(|h| {
-                h.renewed_ms = now;
-                (h.owner, config.policy(h.policy).lease_ms)
+            .filter(|w| w.renewed_ms.is_some_and(|at| now.saturating_sub(at) >= lease_of(w) / 4))
+            .filter_map(|w| {
+                w.renewed_ms = Some(now);
+                Some((w.owner?, lease_of(w)))
             })
             .collect();
         for (owner, lease_ms) in due {

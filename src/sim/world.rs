@@ -203,7 +203,7 @@ pub(super) struct Flight {
     pub vm: usize,
     /// `Some(n)`: a detached call (`CallId::Upstream(n)`); `None`: the router's, on the
     /// request's stream.
-    pub call: Option<u64>,
+    pub call: Option<crate::lifecycle::WorkId>,
     pub loopback: bool,
     /// The claim its VM made for it and learnt it made, by the store's history (it may have
     /// been taken over since: a late owner's call).
@@ -1225,7 +1225,7 @@ impl World {
         self.new_flight(r, vm, None, loopback, &headers);
     }
 
-    fn detached_send(&mut self, vm: usize, n: u64, request: CallRequest) {
+    fn detached_send(&mut self, vm: usize, n: crate::lifecycle::WorkId, request: CallRequest) {
         let CallKind::Http { headers } = &request.kind else { return };
         if request.cluster != super::HOP_CLUSTER {
             self.check.fail("detached_unrouted", self.now, format!("a detached call to {:?}", request.cluster));
@@ -1239,7 +1239,14 @@ impl World {
         self.new_flight(r, vm, Some(n), false, &pairs);
     }
 
-    fn new_flight(&mut self, r: usize, vm: usize, call: Option<u64>, loopback: bool, headers: &Headers) {
+    fn new_flight(
+        &mut self,
+        r: usize,
+        vm: usize,
+        call: Option<crate::lifecycle::WorkId>,
+        loopback: bool,
+        headers: &Headers,
+    ) {
         self.sync_shared_history();
         let fence = header(headers, FENCE_HEADER).map(<[u8]>::to_vec);
         if self.combo.fencing && fence.as_deref() == Some(FORGED_FENCE.as_bytes()) {
