@@ -1018,6 +1018,9 @@ fn store(f: &str, v: &Value, notices: &mut Vec<String>) -> Result<StoreConfig, C
 }
 
 #[cfg(test)]
+mod docs_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
