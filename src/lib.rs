@@ -1,11 +1,9 @@
 //! An idempotency layer for Envoy and Istio: a proxy-wasm HTTP filter.
 //!
 //! The core is plain Rust with no `proxy-wasm` import, tested natively: `lifecycle` (a
-//! request's life, events in, effects out) over `store` (shared data, etcd) and `host` (what it
-//! reads of Envoy, a request's headers as `header_map`); `table` (the table over shared data) and
-//! `encoding` (its values); `config`, `key`, `fingerprint`, `problem`, `grpc`, `metrics`,
-//! `budget`, `retention`, `bytes`. `plugin` is the thin proxy-wasm adapter, built for
-//! `wasm32-wasip1` only. See ARCHITECTURE.md.
+//! request's life, events in, effects out) over `store` (shared data, etcd) and the two ports
+//! to Envoy in `host`. `plugin` is the thin proxy-wasm adapter, built for `wasm32-wasip1` only.
+//! The module map is ARCHITECTURE.md's.
 
 pub mod assemble;
 pub mod bytes;
