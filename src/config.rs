@@ -115,16 +115,8 @@ pub struct EtcdConfig {
 /// four Envoys writing theirs in full (docs/fleet.md, "The fleet's share of etcd").
 pub const DEFAULT_WRITE_BUDGET_BYTES: u64 = 256 << 20;
 
-/// Which of etcd's two client APIs the store speaks; both are served on etcd's client port.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum EtcdApi {
-    /// gRPC (`dispatch_grpc_call`, protobuf): the cluster needs HTTP/2.
-    #[default]
-    Grpc,
-    /// The JSON gateway (`dispatch_http_call`, base64 in JSON) over HTTP/1.1.
-    Json,
-}
-
+/// Which of etcd's two client APIs the store speaks (`store.api`).
+pub use crate::store::etcd::api::Api as EtcdApi;
 use EtcdApi as Api;
 
 /// The most etcd clusters one configuration spreads its keys over.

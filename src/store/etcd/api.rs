@@ -5,8 +5,16 @@ use super::protocol::{ErrorKind, EtcdError, Kv, Request, Target, TxnResult};
 use super::{grpc, json};
 use crate::store::{CallAnswer, CallRequest};
 
-/// Which of etcd's client APIs the store speaks (configured: `store.api`).
-pub use crate::config::EtcdApi as Api;
+/// Which of etcd's two client APIs the store speaks (configured: `store.api`); both are served
+/// on etcd's client port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Api {
+    /// gRPC (`dispatch_grpc_call`, protobuf): the cluster needs HTTP/2.
+    #[default]
+    Grpc,
+    /// The JSON gateway (`dispatch_http_call`, base64 in JSON) over HTTP/1.1.
+    Json,
+}
 
 impl Api {
     pub fn call(self, request: &Request, to: &Target) -> CallRequest {
