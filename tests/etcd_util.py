@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 import urllib.request
 
-from harness import free_port, static_cluster, wait_until
+from harness import free_port, static_cluster, stop_process, wait_until
 
 
 def cluster(port, name="etcd", api="grpc", tls=None, client_cert=True):
@@ -113,13 +113,7 @@ class Etcd:
         return int(out.get("count", 0))
 
     def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 10)
         self.proc = None
         if getattr(self, "log", None):
             self.log.close()

@@ -56,6 +56,18 @@ def tail(text, lines=60):
     return "\n".join(text.splitlines()[-lines:])
 
 
+def stop_process(proc, grace_s=10.0):
+    """Stops a process we started, by its handle: SIGTERM, then SIGKILL after `grace_s`."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(grace_s)
+
+
 def wait_until(predicate, timeout=5.0, interval=0.02, message="condition"):
     """Poll predicate() until it is truthy; returns its value or raises after timeout."""
     deadline = time.monotonic() + timeout
@@ -356,13 +368,7 @@ class Upstream:
         self._admin("POST", "/__release?hold=" + urllib.parse.quote(hold))
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 5)
         if self.proc.stdout:
             self.proc.stdout.close()
         self._stderr.close()
@@ -758,13 +764,7 @@ class Envoy:
     def _terminate(self):
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(ENVOY_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(ENVOY_STOP_TIMEOUT_S)
+        stop_process(self.proc, ENVOY_STOP_TIMEOUT_S)
         if self._stdio:
             self._stdio.close()
 

@@ -262,12 +262,7 @@ class EtcdMember:
         if self.proc.poll() is None:
             if self.stopped:
                 os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+            harness.stop_process(self.proc, 10)
         self.stopped = False
 
     def call(self, path, body, timeout=2):

@@ -90,6 +90,27 @@ def test_same_key_other_body_gets_422_in_progress_and_after(upstream, start, for
     assert counters["claimed"] == 1 and counters["replayed"] == 1, counters
 
 
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_every_part_of_the_fingerprint_gets_422(upstream, start, forward):
+    envoy = start(forward=forward)
+    key = new_key("fp")
+
+    first = post(envoy.port, key)
+    other_body = post(envoy.port, key, body=b'{"amount":2}')
+    other_path = post(envoy.port, key, path="/refunds")
+    other_query = post(envoy.port, key, path="/payments?x=1")
+    other_method = post(envoy.port, key, method="PATCH")
+    other_type = post(envoy.port, key, content_type="text/plain")
+    again = post(envoy.port, key)
+
+    assert_original(first, key, 1)
+    for resp in (other_body, other_path, other_query, other_method, other_type):
+        assert_key_reused(resp)
+    assert_replay_of(again, first)
+    assert upstream.effects() == {key: 1}
+    assert plugin_counters(envoy)["fingerprint_mismatch"] == 5
+
+
 # --- 2. header order and non-fingerprinted headers ---------------------------------------------
 
 
@@ -191,6 +212,22 @@ def test_2mib_body_over_1mib_limit_gets_413_problem(upstream, start, forward, bu
         assert big.status == 413
     else:
         problem(big, 413, "body-too-large", False)
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_body_over_the_limit_gets_413_and_a_keyless_one_passes(upstream, start, forward):
+    envoy = start({"max_request_body_bytes": 1024}, forward)
+    key = new_key("big")
+
+    big = post(envoy.port, key, body=b"x" * 2048)
+    small = post(envoy.port, key, body=b"x" * 1024)
+    keyless = post(envoy.port, None, body=b"x" * 2048)
+
+    problem(big, 413, "body-too-large", False)
+    assert small.status == 201 and not is_replay(small), describe(small)  # nothing was held
+    assert keyless.status == 201, describe(keyless)  # not covered: no limit
+    assert upstream.effects() == {key: 1, "": 1}
+    assert plugin_counters(envoy)["too_large"] == 1
 
 
 # --- 5. per-route rules -------------------------------------------------------------------------
