@@ -11,7 +11,7 @@ work, callees excluded, with the number of calls per request. The probes cost a 
 call; the total is a little above abi_count's.
 
 This found the byte-by-byte `memcmp` (a fifth of a replay's work) and the 64 entry decodings of
-a claim's scan (docs/performance.md). Fuel counts instructions, not time: a tight loop costs
+a claim's scan (CHANGELOG.md, "Performance notes"). Fuel counts instructions, not time: a tight loop costs
 less per unit in Envoy than branchy code over cold memory.
 """
 

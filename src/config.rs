@@ -3,7 +3,7 @@
 //! Parsing is done by hand over `serde_json::Value` so that every error names the field and
 //! says what was expected. serde's derive with `serde_path_to_error` was built and measured:
 //! the same configure cost, 137 KB more `.wasm` in every worker, and vaguer errors
-//! (docs/performance.md). The forms of earlier releases are read in `finish`.
+//! (CHANGELOG.md, "Performance notes"). The forms of earlier releases are read in `finish`.
 
 use serde_json::Value;
 use std::fmt;

@@ -5,7 +5,30 @@ import re
 
 import pytest
 
+import envoy_versions
 from harness import Envoy, Upstream, wasm_path
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "every_envoy: the core set, run on every Envoy the docs claim (tests/README.md)")
+
+
+def pytest_generate_tests(metafunc):
+    """A test marked `every_envoy` runs once per Envoy: the project's own, then each older one
+    (envoy_versions.VERSIONS)."""
+    if metafunc.definition.get_closest_marker("every_envoy"):
+        versions = ["own"] + envoy_versions.VERSIONS
+        metafunc.parametrize("envoy_version", versions, indirect=True, ids=[f"envoy-{v}" for v in versions])
+
+
+@pytest.fixture(autouse=True)
+def envoy_version(request, monkeypatch):
+    """The Envoy this test runs: harness.Envoy starts $ENVOY_BIN when set."""
+    version = getattr(request, "param", "own")
+    if version != "own":
+        monkeypatch.setenv("ENVOY_BIN", envoy_versions.envoy_venv(version))
+    return version
 
 
 @pytest.fixture

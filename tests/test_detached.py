@@ -52,6 +52,7 @@ def assert_stored_first_answer(resp, key):
 # --- 1. the phone's timeout -------------------------------------------------------------
 
 
+@pytest.mark.every_envoy
 def test_client_timeout_then_retries_get_the_stored_answer(upstream, start):
     envoy = start()
     key = new_key("phone")

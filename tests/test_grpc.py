@@ -50,6 +50,7 @@ def envoy(request, wasm, grpc_upstream):
     e.stop()
 
 
+@pytest.mark.every_envoy
 def test_duplicates_in_progress_get_aborted_with_the_pushback_and_one_effect(envoy, grpc_upstream):
     key = uuid.uuid4().hex
     first = {}
@@ -87,6 +88,7 @@ def test_unavailable_releases_the_key_and_the_retry_runs(envoy, grpc_upstream):
     assert envoy.stat("wasmcustom.idempotency.released") == 1
 
 
+@pytest.mark.every_envoy
 def test_not_found_is_stored_and_replayed_with_its_status_message_and_trailers(envoy, grpc_upstream):
     key = uuid.uuid4().hex
     first = pay(envoy.port, key, x_grpc_status=5, x_grpc_message="no such account: 42%")

@@ -202,6 +202,7 @@ def test_a_routes_retries_apply_to_detached_calls_as_to_router_calls(upstream, p
         assert is_replay(again) and upstream.effects(key) == 2, describe(again)
 
 
+@pytest.mark.every_envoy
 def test_a_client_that_leaves_mid_call_still_gets_the_stored_answer(upstream, pair):
     """Detached through the route: the client leaves while the upstream works; the call
     finishes, its answer is stored, and the retry replays it; the upstream saw the rewritten

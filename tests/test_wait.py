@@ -94,6 +94,7 @@ def test_50_concurrent_copies_one_effect_49_replays(upstream, start, forward):
 # --- 2. the first is released: one waiter takes over ------------------------------------
 
 
+@pytest.mark.every_envoy
 @pytest.mark.parametrize("forward", FORWARDS)
 def test_first_released_by_500_one_waiter_becomes_first(upstream, start, forward):
     envoy = start({"on_conflict": "wait"}, forward)
