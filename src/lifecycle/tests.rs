@@ -578,3 +578,15 @@ fn one_caller_running_the_wait_slots_out_is_refused_itself() {
     let (_, effects) = send(&mut l, 21, &as_caller("Bearer b", "b1"), 3);
     assert_eq!(count(&effects, Counter::Waited), 1, "b's duplicate is still held");
 }
+
+/// Wait mode polls held requests on the timer: any policy in wait mode, the base or a rule,
+/// makes it tick every 20 ms; otherwise 50 ms is enough for renewals (docs/behaviour.md §4).
+#[test]
+fn the_timer_ticks_faster_only_when_a_policy_waits() {
+    let tick = |json: &str| Lifecycle::<Shared>::tick_ms_for(&Config::parse(json.as_bytes()).unwrap());
+    assert_eq!(tick("{}"), TICK_MS);
+    assert_eq!(tick(r#"{"on_conflict": "wait"}"#), WAIT_TICK_MS);
+    let rule = r#"{"routes": [{"match": {"prefix": "/slow"}, "on_conflict": "wait"}]}"#;
+    assert_eq!(tick(rule), WAIT_TICK_MS);
+    assert!(WAIT_TICK_MS < TICK_MS);
+}
