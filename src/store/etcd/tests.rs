@@ -1243,3 +1243,31 @@ fn a_copy_left_half_written_is_swept_without_moving_the_in_progress_gauge() {
         Ok(crate::store::table::Verdict::Claimed { .. })
     ));
 }
+
+/// What the local copies behind `Shards` changed reaches the gauges: each cluster's copies,
+/// summed, at every tick.
+#[test]
+fn a_sharded_stores_copies_show_in_its_tick() {
+    use super::shards::Shards;
+    let (a, _) = with_copies(1);
+    let (b, _) = with_copies(2);
+    let mut s = Shards::new(vec![("etcd_a".into(), a), ("etcd_b".into(), b)]);
+    let mut m = Model::new();
+    let serve = |s: &mut Shards, m: &mut Model, now| {
+        while let Some((n, request)) = s.poll_call() {
+            let answer = m.handle(&request, now);
+            s.on_call_answer(n, &answer, now);
+        }
+    };
+    for i in 0..8u32 {
+        s.begin(For::Stream(i), &claim(&format!("k{i}")), 0);
+        serve(&mut s, &mut m, 0);
+        let Some((_, Answer::Began(Began::Claimed { owner, .. }))) = s.poll_answer() else { panic!("not claimed") };
+        s.complete(owner, Some(response("one")), RETENTION, 10);
+        serve(&mut s, &mut m, 10);
+        assert!(matches!(s.poll_answer(), Some((_, Answer::Completed(Completed::Stored { .. })))));
+    }
+    let change = s.tick(20).change;
+    assert_eq!(change.completed, 8, "{change:?}");
+    assert!(change.bytes > 0, "{change:?}");
+}
