@@ -590,3 +590,21 @@ fn the_timer_ticks_faster_only_when_a_policy_waits() {
     assert_eq!(tick(rule), WAIT_TICK_MS);
     assert!(WAIT_TICK_MS < TICK_MS);
 }
+
+/// A covered method without a key passes through untouched unless `require_key` is set, in
+/// which case it gets 400 (docs/configuration.md).
+#[test]
+fn a_keyless_post_passes_unless_a_key_is_required() {
+    let keyless = |host: &FakeHost| FakeHost {
+        request: host.request.iter().filter(|(n, _)| n != "idempotency-key").cloned().collect(),
+        ..host.clone()
+    };
+    let host = keyless(&post("unused", "{}"));
+    let mut l = lifecycle("{}");
+    assert_eq!(l.on_request_headers(&at(&host, 0), 1, false), Flow::Continue);
+    assert!(replies(&l.take_effects()).is_empty());
+    let mut l = lifecycle(r#"{"require_key": true}"#);
+    l.on_request_headers(&at(&host, 0), 1, false);
+    let sent = replies(&l.take_effects());
+    assert_eq!(sent.iter().map(|(id, r)| (*id, status_of(r))).collect::<Vec<_>>(), vec![(1, 400)]);
+}
