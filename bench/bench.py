@@ -540,8 +540,13 @@ def check_run(case, r, delta, connections):
         bad.append(f"replayed +{delta.get('replayed', 0)} < {n} requests")
     if expect in ("2xx", "local") and delta.get("claimed", 0):
         bad.append(f"claimed +{delta['claimed']} on a case that must not claim")
+    # wrk closes its connections when a round ends: a claim etcd answers after its client
+    # left is given back at once (nothing went upstream, docs/behaviour.md §3.5), at most one
+    # per connection. Shared data answers a claim within the request's own callback.
+    released_at_the_end = connections if expect == "claimed" and case.get("listener") == "etcd" else 0
     for c in ("store_full", "store_error", "upstream_failed", "released"):
-        if delta.get(c):
+        allowed = released_at_the_end if c == "released" else 0
+        if delta.get(c, 0) > allowed:
             bad.append(f"{c} +{delta[c]}")
     return bad
 
