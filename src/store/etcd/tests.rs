@@ -1183,10 +1183,8 @@ fn a_renewal_that_loses_the_race_to_its_own_ending_reports_the_completion_done()
     assert!(s.is_idle());
 }
 
-/// Counters of a store behind `Shards` (several clusters) reach the metrics: a replay from
-/// a local copy is counted whichever cluster holds its key.
-#[test]
-fn a_sharded_stores_counters_are_polled() {
+/// Two clusters, each with local copies, holding `keys` completed keys (`k0`, `k1`, …).
+fn sharded_with_completed_keys(keys: u32) -> super::shards::Shards {
     use super::shards::Shards;
     let (a, _) = with_copies(1);
     let (b, _) = with_copies(2);
@@ -1198,17 +1196,26 @@ fn a_sharded_stores_counters_are_polled() {
             s.on_call_answer(n, &answer, now);
         }
     };
-    for i in 0..8u32 {
-        let key = format!("k{i}");
-        s.begin(For::Stream(i), &claim(&key), 0);
+    for i in 0..keys {
+        s.begin(For::Stream(i), &claim(&format!("k{i}")), 0);
         serve(&mut s, &mut m, 0);
         let Some((_, Answer::Began(Began::Claimed { owner, .. }))) = s.poll_answer() else { panic!("not claimed") };
         s.complete(owner, Some(response("one")), RETENTION, 10);
         serve(&mut s, &mut m, 10);
         assert!(matches!(s.poll_answer(), Some((_, Answer::Completed(Completed::Stored { .. })))));
-        match s.begin(For::Stream(100 + i), &claim(&key), 20) {
+    }
+    s
+}
+
+/// Counters of a store behind `Shards` (several clusters) reach the metrics: a replay from
+/// a local copy is counted whichever cluster holds its key.
+#[test]
+fn a_sharded_stores_counters_are_polled() {
+    let mut s = sharded_with_completed_keys(8);
+    for i in 0..8u32 {
+        match s.begin(For::Stream(100 + i), &claim(&format!("k{i}")), 20) {
             Some(Answer::Began(Began::Replay(_))) => {}
-            other => panic!("{key} replays from its copy at once: {other:?}"),
+            other => panic!("k{i} replays from its copy at once: {other:?}"),
         }
     }
     let counts: Vec<Counter> = std::iter::from_fn(|| s.poll_count()).collect();
@@ -1248,26 +1255,7 @@ fn a_copy_left_half_written_is_swept_without_moving_the_in_progress_gauge() {
 /// summed, at every tick.
 #[test]
 fn a_sharded_stores_copies_show_in_its_tick() {
-    use super::shards::Shards;
-    let (a, _) = with_copies(1);
-    let (b, _) = with_copies(2);
-    let mut s = Shards::new(vec![("etcd_a".into(), a), ("etcd_b".into(), b)]);
-    let mut m = Model::new();
-    let serve = |s: &mut Shards, m: &mut Model, now| {
-        while let Some((n, request)) = s.poll_call() {
-            let answer = m.handle(&request, now);
-            s.on_call_answer(n, &answer, now);
-        }
-    };
-    for i in 0..8u32 {
-        s.begin(For::Stream(i), &claim(&format!("k{i}")), 0);
-        serve(&mut s, &mut m, 0);
-        let Some((_, Answer::Began(Began::Claimed { owner, .. }))) = s.poll_answer() else { panic!("not claimed") };
-        s.complete(owner, Some(response("one")), RETENTION, 10);
-        serve(&mut s, &mut m, 10);
-        assert!(matches!(s.poll_answer(), Some((_, Answer::Completed(Completed::Stored { .. })))));
-    }
-    let change = s.tick(20).change;
+    let change = sharded_with_completed_keys(8).tick(20).change;
     assert_eq!(change.completed, 8, "{change:?}");
     assert!(change.bytes > 0, "{change:?}");
 }
