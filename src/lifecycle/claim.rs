@@ -219,7 +219,7 @@ impl<S: Store> Lifecycle<S> {
         outbound: Option<Outbound>,
         leased_ms: u64,
     ) -> Next {
-        let renewed_ms = owner.map(|_| leased_ms);
+        let mut work = Work { stream: id, policy, owner, renewed_ms: owner.map(|_| leased_ms), call: None, end: None };
         let skew = u64::from(planted(Defect::FenceNotTheClaims));
         let fence = self.config.fencing_header.clone().map(|name| (name, owner.map(|o| (o.fence + skew).to_string())));
         match outbound {
@@ -236,19 +236,16 @@ impl<S: Store> Lifecycle<S> {
                     request.headers = request.headers.replaced("grpc-timeout", None);
                 }
                 let caller = self.streams.get(&id).map_or(crate::caller::Caller::ANONYMOUS, |s| s.caller);
-                let call = Some(DetachedCall { grpc, caller, outgoing: Some(request) });
+                work.call = Some(DetachedCall { grpc, caller, outgoing: Some(request) });
                 let work_id = owner.map_or_else(|| WorkId::Pass(self.new_call_id()), |o| WorkId::Owner(o.id));
-                self.work.insert(work_id, Work { stream: id, policy, owner, renewed_ms, call, end: None });
+                self.work.insert(work_id, work);
                 self.outbox.push_back(work_id);
                 self.set_phase(id, Phase::Detached);
                 Next::Hold
             }
             None => {
                 if let Some(o) = owner {
-                    self.work.insert(
-                        WorkId::Owner(o.id),
-                        Work { stream: id, policy, owner, renewed_ms, call: None, end: None },
-                    );
+                    self.work.insert(WorkId::Owner(o.id), work);
                 }
                 if let Some((name, Some(token))) = fence {
                     self.effects.push(super::Effect::SetRequestHeader { stream: id, name, value: Some(token) });

@@ -231,7 +231,12 @@ impl<S: Store> Lifecycle<S> {
     /// The store acknowledged an owner's completion, or could not for now: the answer's end
     /// goes on.
     pub(super) fn release_end(&mut self, owner: Owner, acknowledged: bool) {
-        let id = WorkId::Owner(owner.id);
+        self.end_answer(WorkId::Owner(owner.id), acknowledged);
+    }
+
+    /// A held answer's end goes on (`acknowledged`: its completion was), and its record
+    /// settles.
+    fn end_answer(&mut self, id: WorkId, acknowledged: bool) {
         let Some(work) = self.work.get_mut(&id) else { return };
         let (stream, end) = (work.stream, work.end.take());
         self.settle(id);
@@ -284,13 +289,7 @@ impl<S: Store> Lifecycle<S> {
             .map(|(id, _)| *id)
             .collect();
         for id in late {
-            let Some(work) = self.work.get_mut(&id) else { continue };
-            let (stream, end) = (work.stream, work.end.take());
-            self.settle(id);
-            if let Some(end) = end {
-                self.count(Counter::CompletionUnacknowledged);
-                self.send_end(stream, end);
-            }
+            self.end_answer(id, false);
         }
     }
 
